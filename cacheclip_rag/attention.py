@@ -1,0 +1,135 @@
+"""Attention masks by position, and the attention function the engine registers with transformers.
+
+Every forward the engine runs writes its rows at explicit positions of a full-length cache
+(`cache.BlendedCache`), so the mask is built here from those positions: a query at position p sees
+keys at positions <= p (and > p - window on sliding-window layers). transformers' own mask builders
+assume contiguous queries and are bypassed by passing these masks in.
+
+The registered attention function "cacheclip" is sdpa, except when a probe is attached to a layer
+(last-layer attention capture for token selection) or a faster kernel is plugged in for CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .models import layer_types, text_config
+
+ATTENTION_NAME = "cacheclip"
+
+# A kernel for scattered query rows on CUDA: (module, query, key, value, query_positions, scaling,
+# softcap, sliding_window) -> output [B, T, H, D]; set by `kernels` when Triton and CUDA are present.
+SelectedRowsKernel = Callable[..., torch.Tensor]
+
+
+@dataclass
+class AttentionProbe:
+    """Collects the attention probabilities of one layer during a forward: [B, H, Tq, Tk]."""
+
+    weights: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward information the attention function needs beyond what transformers passes."""
+
+    query_positions: torch.Tensor  # [B, Tq] absolute positions of the query rows
+    kernel: SelectedRowsKernel | None = None
+    probes: dict[int, AttentionProbe] = field(default_factory=dict)
+
+
+def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """sdpa, eager-with-weights for probed layers, or the selected-rows kernel on CUDA."""
+    context: ForwardContext | None = getattr(module, "_cacheclip_context", None)
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    if context is not None:
+        probe = context.probes.get(module.layer_idx)
+        if probe is not None:
+            out, probe.weights = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
+            return out, None
+        if context.kernel is not None and query.is_cuda:
+            out = context.kernel(
+                query, key, value, context.query_positions,
+                scaling=scaling, softcap=softcap, sliding_window=kwargs.get("sliding_window"),
+            )
+            return out, None
+    if softcap is not None:
+        out, _ = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, cacheclip_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_cacheclip_attention(model: PreTrainedModel) -> None:
+    """Route the model's attention through `cacheclip_attention` (idempotent)."""
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+@contextmanager
+def forward_context(model: PreTrainedModel, context: ForwardContext) -> Iterator[ForwardContext]:
+    """Attach `context` to every attention module for the duration of one forward."""
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
+    for m in modules:
+        m._cacheclip_context = context
+    try:
+        yield context
+    finally:
+        for m in modules:
+            m._cacheclip_context = None
+
+
+def position_masks(
+    model: PreTrainedModel, query_positions: torch.Tensor, kv_length: int, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
+    """Additive masks [B, 1, Tq, kv_length] for queries at `query_positions` [B, Tq].
+
+    Returns a dict keyed by layer type when the model has `layer_types` (Gemma 3, Qwen2), else one
+    tensor. A full-attention mask is None when the queries are exactly 0..kv_length-1, so sdpa can
+    take its causal fast path.
+    """
+    config = text_config(model)
+    device = query_positions.device
+    kv_idx = torch.arange(kv_length, device=device)
+    q = query_positions[:, None, :, None]  # [B, 1, Tq, 1]
+    contiguous = query_positions.shape[-1] == kv_length and bool(
+        (query_positions == kv_idx).all()
+    )
+    neg = torch.finfo(dtype).min
+
+    def additive(allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, neg)
+
+    full = None if contiguous else additive(kv_idx <= q)
+    types = set(layer_types(model))
+    if not hasattr(config, "layer_types") or config.layer_types is None:
+        return full
+    masks: dict[str, torch.Tensor | None] = {"full_attention": full}
+    if "sliding_attention" in types:
+        window = config.sliding_window
+        masks["sliding_attention"] = additive((kv_idx <= q) & (kv_idx > q - window))
+    return masks

@@ -1,0 +1,96 @@
+"""A full-length KV cache whose rows are written at explicit positions.
+
+This is the blended cache of the design: one prefix, chunks at contiguous positions, room for the
+question and the answer. A forward over any set of tokens, run with `position_ids` = their
+positions and `cache.write_at(positions)`, overwrites exactly those rows in every layer before the
+layer's attention reads the cache; that is the layer-wise selective recompute. Sliding-window
+layers stay full-length; the window lives in the mask (see `attention.position_masks`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class PositionedLayer(CacheLayerMixin):
+    """One layer's K/V buffers [B, KV, N, D]; `update` writes rows at the cache's write positions."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: BlendedCache):
+        super().__init__()
+        self.keys, self.values = keys, values
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("PositionedLayer buffers are allocated up front")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        positions = self.owner.write_positions  # [T]
+        self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
+        n = self.owner.visible_length
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.visible_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.visible_length
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class BlendedCache(Cache):
+    """Per-layer K/V of shape [B, KV, N, D] with position-addressed writes.
+
+    `keys[l]`, `values[l]`: [B, KV, N, D]. Call `write_at(positions)` before each forward; the
+    forward then writes its T rows at those positions (sorted, unique) and every layer attends over
+    rows [0, max(positions)] under the mask built from the same positions.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        super().__init__(layers=[PositionedLayer(k, v, self) for k, v in zip(keys, values)])
+        self.write_positions = torch.zeros(0, dtype=torch.long, device=keys[0].device)
+        self.visible_length = 0
+
+    @classmethod
+    def empty(
+        cls, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> BlendedCache:
+        shape = (batch, kv_heads, length, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        return cls(keys, values)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].keys.shape[2]
+
+    def write_at(self, positions: torch.Tensor) -> None:
+        """Rows the next forward writes: positions [T], sorted and unique."""
+        if positions.numel() == 0:
+            raise ValueError("a forward needs at least one position")
+        last = int(positions[-1])
+        if last >= self.capacity:
+            raise ValueError(f"position {last} is beyond the cache capacity {self.capacity}")
+        self.write_positions = positions.to(self.layers[0].keys.device)
+        self.visible_length = last + 1
+
+    def place(self, position: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy precomputed rows in at `position`: keys, values [L, KV, T, D] (batch 0)."""
+        t = keys.shape[2]
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.keys[0, :, position:position + t].copy_(k)
+            layer.values[0, :, position:position + t].copy_(v)
+
+    def rows(self, start: int, stop: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of rows [start, stop) stacked over layers: [L, KV, T, D] each."""
+        keys = torch.stack([layer.keys[batch, :, start:stop] for layer in self.layers])
+        values = torch.stack([layer.values[batch, :, start:stop] for layer in self.layers])
+        return keys, values

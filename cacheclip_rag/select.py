@@ -1,0 +1,135 @@
+"""Token importance scores for selective recompute, and top-k candidates.
+
+- `aux_scores` (CacheClip, section 4.2): the aux model runs the question over each chunk's stored
+  aux KV, all chunks batched as `chunk_i + question`; the last layer's attention from question
+  rows to that chunk's rows, averaged over heads and question rows, scores each chunk token.
+- `value_deviation_scores` (CacheBlend): layers 0-1 recomputed for every chunk token; the score is
+  how far layer 1's recomputed values moved from the cached ones.
+- `primary_attention_scores` (oracle): the primary's own last-layer question->chunk attention under
+  full prefill; the ceiling for any selector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .attention import AttentionProbe
+from .cache import BlendedCache
+from .ingest import PrefixCache, new_cache
+from .models import LoadedModel, layer_types
+from .recompute import forward_at
+from .store import ChunkEntry
+
+
+def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """Bool masks per chunk: the top ceil(ratio x total tokens) scores over all chunks together."""
+    lengths = [s.numel() for s in scores]
+    flat = torch.cat([s.float().flatten() for s in scores])
+    k = min(flat.numel(), math.ceil(ratio * flat.numel() - 1e-9))
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+    if k > 0:
+        chosen[torch.topk(flat, k).indices] = True
+    return list(chosen.split(lengths))
+
+
+def _slot_mask(
+    lm: LoadedModel, prefix_len: int, lengths: list[int], question_len: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor] | torch.Tensor:
+    """Masks [C, 1, Q, P + max_n + Q] for question rows stored after the longest chunk's rows.
+
+    Each cache slot is given the position it holds for its chunk (padding slots none), so causality
+    and sliding windows are applied in position space while slots are shared by the batch.
+    """
+    longest = max(lengths)
+    n = torch.tensor(lengths)[:, None]  # [C, 1]
+    slot = torch.arange(prefix_len + longest + question_len)[None]  # [1, K]
+    q_start = prefix_len + longest
+    slot_pos = torch.where(slot < prefix_len + n, slot, slot - q_start + prefix_len + n)  # [C, K]
+    valid = (slot < prefix_len + n) | (slot >= q_start)
+    q_pos = (prefix_len + n + torch.arange(question_len)[None])[:, None, :, None]  # [C, 1, Q, 1]
+    k_pos = slot_pos[:, None, None, :]
+    allowed = valid[:, None, None, :] & (k_pos <= q_pos)
+    neg = torch.finfo(dtype).min
+
+    def additive(ok: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(ok.shape, dtype=dtype).masked_fill_(~ok, neg).to(lm.device)
+
+    config = lm.config
+    if getattr(config, "layer_types", None) is None:
+        return additive(allowed)
+    masks = {"full_attention": additive(allowed)}
+    if "sliding_attention" in layer_types(lm.model):
+        masks["sliding_attention"] = additive(allowed & (k_pos > q_pos - config.sliding_window))
+    return masks
+
+
+def aux_scores(
+    aux: LoadedModel, prefix: PrefixCache, entries: Sequence[ChunkEntry], question_ids: Sequence[int]
+) -> list[torch.Tensor]:
+    """Per chunk, a score [n_c] for each of its aux tokens (see module doc)."""
+    p, q = len(prefix.token_ids), len(question_ids)
+    lengths = [e.num_tokens for e in entries]
+    longest, c = max(lengths), len(entries)
+    cache = new_cache(aux, p + longest + q, batch=c)
+    for i, layer in enumerate(cache.layers):
+        layer.keys[:, :, :p] = prefix.keys[i]
+        layer.values[:, :, :p] = prefix.values[i]
+        for b, e in enumerate(entries):
+            layer.keys[b, :, p : p + e.num_tokens] = e.keys[i]
+            layer.values[b, :, p : p + e.num_tokens] = e.values[i]
+    positions = torch.tensor([[p + n + j for j in range(q)] for n in lengths])
+    slots = torch.arange(p + longest, p + longest + q)
+    last = aux.config.num_hidden_layers - 1
+    probe = AttentionProbe()
+    mask = _slot_mask(aux, p, lengths, q, aux.dtype)
+    ids = torch.tensor([list(question_ids)] * c)
+    forward_at(aux.model, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
+    weights = probe.weights  # [C, H, Q, K]
+    return [weights[b, :, :, p : p + n].mean(dim=(0, 1)).cpu() for b, n in enumerate(lengths)]
+
+
+def value_deviation_scores(
+    lm: LoadedModel, cache: BlendedCache, chunk_ids: torch.Tensor, start: int
+) -> torch.Tensor:
+    """CacheBlend: recompute layers 0 and 1 for every chunk token (rows start..start+T-1).
+
+    Layer 0 keeps the recomputed K/V (CacheBlend recomputes the first layer in full); layer 1 is
+    restored after its values are compared, so only selected tokens update it later.
+    Returns the deviation [T] = ||V1_recomputed - V1_cached|| summed over kv heads.
+    """
+    if lm.config.num_hidden_layers < 2:
+        raise ValueError("cacheblend needs a model with at least 2 layers")
+    stop = start + chunk_ids.numel()
+    old_k1 = cache.layers[1].keys[0, :, start:stop].clone()
+    old_v1 = cache.layers[1].values[0, :, start:stop].clone()
+    base = lm.model.model
+    layers = base.layers
+    base.layers = torch.nn.ModuleList(list(layers)[:2])
+    try:
+        forward_at(lm.model, cache, chunk_ids[None], torch.arange(start, stop)[None], base_model_only=True)
+    finally:
+        base.layers = layers
+    new_v1 = cache.layers[1].values[0, :, start:stop]
+    deviation = (new_v1.float() - old_v1.float()).norm(dim=-1).sum(0)  # [T]
+    cache.layers[1].keys[0, :, start:stop] = old_k1
+    cache.layers[1].values[0, :, start:stop] = old_v1
+    return deviation.cpu()
+
+
+def primary_attention_scores(
+    lm: LoadedModel, context_ids: Sequence[int], question_ids: Sequence[int], chunk_start: int
+) -> torch.Tensor:
+    """Oracle: last-layer question->context attention of the primary under full prefill.
+
+    Returns scores [S - chunk_start] for context rows chunk_start..S-1 (the chunks).
+    """
+    s, q = len(context_ids), len(question_ids)
+    cache = new_cache(lm, s + q)
+    forward_at(lm.model, cache, torch.tensor([list(context_ids)]), torch.arange(s)[None])
+    probe = AttentionProbe()
+    last = lm.config.num_hidden_layers - 1
+    forward_at(lm.model, cache, torch.tensor([list(question_ids)]), torch.arange(s, s + q)[None], probes={last: probe})
+    return probe.weights[0, :, :, chunk_start:s].mean(dim=(0, 1)).cpu()

@@ -1,0 +1,1 @@
+"""LlamaIndex and LangChain adapters (thin; the core never imports them)."""
