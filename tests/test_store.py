@@ -1,0 +1,113 @@
+import lmdb
+import pytest
+import torch
+
+from cacheclip_rag import store as store_mod
+from cacheclip_rag.ingest import SHARED, chunk_key, precompute, prefix_cache
+from cacheclip_rag.store import ChunkEntry, LMDBStore, StoreError, entry_key
+from cacheclip_rag.testing import tiny_model
+from tests.conftest import CHUNKS
+
+
+def random_entry(tokens=7, dtype=torch.float32):
+    return ChunkEntry(
+        keys=torch.randn(3, 2, tokens, 16).to(dtype), values=torch.randn(3, 2, tokens, 16).to(dtype),
+        token_ids=tuple(range(tokens)), offsets=tuple((i, i + 1) for i in range(tokens)),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_bit_exact(tmp_path, dtype):
+    entry = random_entry(dtype=dtype)
+    with LMDBStore(tmp_path) as s:
+        s.put(b"k", "model-a", entry)
+        got = s.get(b"k", "model-a")
+    assert torch.equal(got.keys.view(torch.uint8), entry.keys.view(torch.uint8))
+    assert torch.equal(got.values.view(torch.uint8), entry.values.view(torch.uint8))
+    assert got.token_ids == entry.token_ids and got.offsets == entry.offsets
+
+
+def test_entry_of_another_model_is_refused(tmp_path):
+    with LMDBStore(tmp_path) as s:
+        s.put(b"k", "model-a", random_entry())
+        with pytest.raises(StoreError, match="written by model model-a"):
+            s.get(b"k", "model-b")
+
+
+def test_entry_of_another_format_version_is_refused(tmp_path, monkeypatch):
+    with LMDBStore(tmp_path) as s:
+        s.put(b"k", "m", random_entry())
+        monkeypatch.setattr(store_mod, "FORMAT_VERSION", 2)
+        with pytest.raises(StoreError, match="format version 1"):
+            s.get(b"k", "m")
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_corrupted_entry_is_detected(tmp_path, where):
+    with LMDBStore(tmp_path) as s:
+        s.put(b"k", "m", random_entry())
+        with s.env.begin(write=True) as txn:
+            raw = bytearray(txn.get(b"k"))
+            i = len(raw) - 5 if where == "payload" else raw.index(b"token_ids") + 15
+            raw[i] ^= 0x10
+            txn.put(b"k", bytes(raw))
+        with pytest.raises(StoreError, match="corrupted|checksum"):
+            s.get(b"k", "m")
+
+
+def test_map_grows_on_demand(tmp_path):
+    with LMDBStore(tmp_path, map_size=64 * 1024) as s:
+        big = random_entry(tokens=400)  # ~300 KB, far above the initial map
+        for i in range(5):
+            s.put(bytes([i]), "m", big)
+        assert s.env.info()["map_size"] > 64 * 1024
+        assert all(torch.equal(s.get(bytes([i]), "m").keys, big.keys) for i in range(5))
+
+
+def test_keys_are_hashes_not_paths():
+    key = entry_key("fp", [1, 2], "../../etc/passwd\x00", "shared")
+    assert len(key) == 32 and b"passwd" not in key
+    assert key != entry_key("fp", [1, 2], "../../etc/passwd\x00", "direct")
+    assert key != entry_key("fp", [1], "2../../etc/passwd\x00", "shared")  # length-prefixed fields
+
+
+def test_second_ingest_computes_nothing(tmp_path):
+    lm = tiny_model("llama")
+    calls = []
+    lm.model.register_forward_hook(lambda *a: calls.append(1))
+    with LMDBStore(tmp_path) as s:
+        keys = precompute(lm, s, CHUNKS, "Be brief.", progress=False)
+        assert calls and all(s.contains(k) for k in keys)
+        before = {k: s.get(k, lm.fingerprint.digest).keys.clone() for k in keys}
+        calls.clear()
+        assert precompute(lm, s, CHUNKS, "Be brief.", progress=False) == keys
+        assert calls == []
+        assert all(torch.equal(before[k], s.get(k, lm.fingerprint.digest).keys) for k in keys)
+
+
+def test_prefix_is_stored_once_per_model_and_prefix(tmp_path):
+    lm = tiny_model("llama")
+    with LMDBStore(tmp_path) as s:
+        precompute(lm, s, CHUNKS, "Be brief.", progress=False)
+        n = s.stats()["entries"]
+        assert n == len(CHUNKS) + 1
+        precompute(lm, s, CHUNKS[:1], "Another system prompt.", progress=False)
+        assert s.stats()["entries"] == n + 2  # a new prefix and the chunk behind it
+
+
+def test_stored_chunk_equals_its_rows_in_a_full_prefill(tmp_path):
+    """The batched ingest (right-padded) stores what a plain prefill of prefix + chunk computes."""
+    from cacheclip_rag.ingest import chunk_unit, new_cache
+    from cacheclip_rag.recompute import forward_at
+
+    lm = tiny_model("gemma3")
+    with LMDBStore(tmp_path) as s:
+        precompute(lm, s, CHUNKS, "Be brief.", batch_size=3, progress=False)
+        prefix = prefix_cache(lm, s, "Be brief.")
+        for text in CHUNKS:
+            entry = s.get(chunk_key(lm, prefix.token_ids, text, SHARED), lm.fingerprint.digest)
+            ids = list(prefix.token_ids) + lm.encode(chunk_unit(lm, text))
+            cache = new_cache(lm, len(ids))
+            forward_at(lm.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None])
+            keys, values = cache.rows(len(prefix.token_ids), len(ids))
+            assert (keys - entry.keys).abs().max() < 1e-5 and (values - entry.values).abs().max() < 1e-5
