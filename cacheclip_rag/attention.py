@@ -11,6 +11,7 @@ The registered attention function "cacheclip" is sdpa, except when a probe is at
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -58,9 +59,14 @@ def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
     return out, probs
 
 
+# The forward context is per thread: aux selection runs in a worker thread while the main thread
+# may run the primary (the same module object when a model is its own aux).
+_active = threading.local()
+
+
 def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """sdpa, eager-with-weights for probed layers, or the selected-rows kernel on CUDA."""
-    context: ForwardContext | None = getattr(module, "_cacheclip_context", None)
+    context: ForwardContext | None = getattr(_active, "context", None)
     scaling = module.head_dim**-0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
     if context is not None:
@@ -91,16 +97,14 @@ def use_cacheclip_attention(model: PreTrainedModel) -> None:
 
 
 @contextmanager
-def forward_context(model: PreTrainedModel, context: ForwardContext) -> Iterator[ForwardContext]:
-    """Attach `context` to every attention module for the duration of one forward."""
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
-    for m in modules:
-        m._cacheclip_context = context
+def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `context` visible to the attention function for one forward in this thread."""
+    previous = getattr(_active, "context", None)
+    _active.context = context
     try:
         yield context
     finally:
-        for m in modules:
-            m._cacheclip_context = None
+        _active.context = previous
 
 
 def position_masks(

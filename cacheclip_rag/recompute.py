@@ -41,7 +41,7 @@ def forward_at(
     if mask is None:
         mask = position_masks(model, positions, cache.visible_length, cache.layers[0].keys.dtype)
     context = ForwardContext(query_positions=positions, kernel=kernel, probes=probes or {})
-    with forward_context(model, context):
+    with forward_context(context):
         if base_model_only:
             return model.model(
                 input_ids=input_ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True
