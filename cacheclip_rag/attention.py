@@ -74,7 +74,7 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
         if probe is not None:
             out, probe.weights = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
             return out, None
-        if context.kernel is not None and query.is_cuda:
+        if context.kernel is not None:
             out = context.kernel(
                 query, key, value, context.query_positions,
                 scaling=scaling, softcap=softcap, sliding_window=kwargs.get("sliding_window"),

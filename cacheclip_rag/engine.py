@@ -148,7 +148,8 @@ class Engine:
             aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
                 config.aux, device=config.aux_device
             )
-        return cls(primary=primary, store=LMDBStore(config.store_path), config=config, aux=aux)
+        return cls(primary=primary, store=LMDBStore(config.store_path), config=config, aux=aux,
+                   kernel=default_kernel(primary))
 
     # ---- ingest ------------------------------------------------------------------------------
 
@@ -273,6 +274,15 @@ class Engine:
     def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def default_kernel(lm: LoadedModel) -> SelectedRowsKernel | None:
+    """The Triton selected-rows kernel when the primary runs on CUDA and Triton is installed."""
+    if lm.device.type != "cuda":
+        return None
+    from .kernels import selected_attention as module
+
+    return module.selected_attention if module.triton is not None else None
 
 
 def _timed_first(tokens: Iterator[int], started: Callable[[], float], timings: Timings) -> Iterator[int]:

@@ -1,7 +1,13 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on a CPU machine
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import importlib.util
 
 import pytest
-import torch
 
 from cacheclip_rag.config import EngineConfig
 from cacheclip_rag.engine import Engine

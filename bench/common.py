@@ -1,0 +1,40 @@
+"""Shared pieces of the benchmarks: prompts of a given size from the bundled handbook, medians."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+
+from cacheclip_rag.cli import demo_chunks
+from cacheclip_rag.config import EngineConfig
+from cacheclip_rag.engine import Engine
+from cacheclip_rag.models import LoadedModel
+from cacheclip_rag.store import LMDBStore
+
+QUESTIONS = (
+    "How many pistons support the Halvorsen mirror?",
+    "What is the name of the archive server that releases the data?",
+    "In which year did the Lantern programme announce its first confirmed planet?",
+    "Who is the present director of the observatory?",
+    "How far away is the nearest hospital?",
+)
+
+
+def handbook_chunks(num_chunks: int, sections_per_chunk: int) -> list[str]:
+    """Distinct chunks of several handbook sections each (rotated orders), ~180 tokens a section."""
+    sections = demo_chunks()
+    chunks = []
+    for i in range(num_chunks):
+        picked = [sections[(i + j * (i + 1)) % len(sections)] for j in range(sections_per_chunk)]
+        chunks.append(f"Part {i + 1}.\n" + "\n\n".join(picked))
+    return chunks
+
+
+def engine_with(primary: LoadedModel, aux: LoadedModel | None) -> Engine:
+    path = tempfile.mkdtemp(prefix="cacheclip-bench-")
+    return Engine(primary=primary, store=LMDBStore(path), config=EngineConfig(store_path=path), aux=aux)
+
+
+def median_of(fn: Callable[[], float], repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
