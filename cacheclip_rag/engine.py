@@ -35,6 +35,7 @@ class Plan:
     texts: tuple[str, ...]
     prefix_ids: tuple[int, ...]
     chunk_ids: tuple[tuple[int, ...], ...]
+    char_spans: tuple[tuple[tuple[int, int], ...], ...]  # per chunk token: its characters in the chunk
     question_ids: tuple[int, ...]
     question: str
 
@@ -189,8 +190,10 @@ class Engine:
         limit = lm.max_context
         if len(question_ids) + len(prefix_ids) >= limit:
             raise ValueError(f"question of {len(question_ids)} tokens does not fit the model's context of {limit}")
-        chunk_ids = tuple(tuple(lm.encode(chunk_unit(lm, t))) for t in texts)
-        plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, tuple(question_ids), question)
+        encoded = [lm.encode_with_offsets(chunk_unit(lm, t)) for t in texts]
+        chunk_ids = tuple(tuple(ids) for ids, _ in encoded)
+        char_spans = tuple(tuple(spans) for _, spans in encoded)
+        plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, char_spans, tuple(question_ids), question)
         if plan.length + options.max_new_tokens > limit:
             raise ValueError(
                 f"blended prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
@@ -265,10 +268,9 @@ class Engine:
         scores = aux_scores(aux, prefix, entries, question_ids)
         candidates = top_k_candidates(scores, options.ratio)
         selected = []
-        for text, entry, cand, ids in zip(plan.texts, entries, candidates, plan.chunk_ids):
+        for text, entry, cand, spans in zip(plan.texts, entries, candidates, plan.char_spans):
             chosen = group(cand, self.config.window, self.config.threshold) if options.grouping else cand
-            primary_offsets = self.primary.encode_with_offsets(chunk_unit(self.primary, text))[1]
-            selected.append(map_selection(entry.offsets, chosen, primary_offsets, len(chunk_unit(aux, text))))
+            selected.append(map_selection(entry.offsets, chosen, spans, len(chunk_unit(aux, text))))
         return selected
 
     def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -100,8 +100,8 @@ def encode_entry(fingerprint: str, entry: ChunkEntry) -> bytes:
     return _HEADER_LEN.pack(len(head)) + head + payload
 
 
-def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry:
-    """Verify and decode an entry; `raw` may be a zero-copy buffer valid only inside its transaction."""
+def _split(raw: memoryview | bytes) -> tuple[dict, memoryview]:
+    """Header dict and payload view of an encoded entry."""
     view = memoryview(raw)
     if len(view) < _HEADER_LEN.size:
         raise StoreError("corrupted entry: shorter than its header")
@@ -110,13 +110,20 @@ def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device
         header = json.loads(bytes(view[_HEADER_LEN.size : _HEADER_LEN.size + head_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise StoreError(f"corrupted entry: unreadable header ({err})") from err
+    if not isinstance(header, dict):
+        raise StoreError("corrupted entry: header is not an object")
+    return header, view[_HEADER_LEN.size + head_len :]
+
+
+def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry:
+    """Verify and decode an entry; `raw` may be a zero-copy buffer valid only inside its transaction."""
+    header, payload = _split(raw)
     if header.get("version") != FORMAT_VERSION:
         raise StoreError(f"entry has format version {header.get('version')}, this library reads {FORMAT_VERSION}")
     if header.get("fingerprint") != fingerprint:
         raise StoreError(
             f"entry was written by model {header.get('fingerprint')}, not by the requested model {fingerprint}"
         )
-    payload = view[_HEADER_LEN.size + head_len :]
     if _checksum(header, payload) != header.get("checksum"):
         raise StoreError("corrupted entry: checksum mismatch")
     dtype = _DTYPES[header["dtype"]]
@@ -203,11 +210,12 @@ class LMDBStore:
         total = 0
         with self.env.begin(buffers=True) as txn:
             for _, raw in txn.cursor():
-                view = memoryview(raw)
-                (head_len,) = _HEADER_LEN.unpack(view[: _HEADER_LEN.size])
-                header = json.loads(bytes(view[_HEADER_LEN.size : _HEADER_LEN.size + head_len]))
-                models[header.get("fingerprint", "?")] = models.get(header.get("fingerprint", "?"), 0) + 1
-                total += len(view)
+                try:
+                    model = _split(raw)[0].get("fingerprint", "?")
+                except StoreError:
+                    model = "corrupted"
+                models[model] = models.get(model, 0) + 1
+                total += len(raw)
         return {"entries": sum(models.values()), "bytes": total, "models": models, "path": str(self.path)}
 
 
