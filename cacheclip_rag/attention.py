@@ -26,7 +26,7 @@ from .models import layer_types, text_config
 ATTENTION_NAME = "cacheclip"
 
 # A kernel for scattered query rows on CUDA: (module, query, key, value, query_positions, scaling,
-# softcap, sliding_window) -> output [B, T, H, D]; set by `kernels` when Triton and CUDA are present.
+# softcap, sliding_window) -> output [B, T, H, D]; the engine sets it on CUDA when Triton is present.
 SelectedRowsKernel = Callable[..., torch.Tensor]
 
 
@@ -65,7 +65,8 @@ _active = threading.local()
 
 
 def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """sdpa, eager-with-weights for probed layers, or the selected-rows kernel on CUDA."""
+    """sdpa, eager-with-weights for probed layers, or the selected-rows kernel when one is plugged in
+    (the engine plugs it in on CUDA; tests plug it in under the Triton interpreter)."""
     context: ForwardContext | None = getattr(_active, "context", None)
     scaling = module.head_dim**-0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")

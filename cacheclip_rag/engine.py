@@ -224,9 +224,7 @@ class Engine:
                                options.temperature, options.top_p, options.seed)
         generated: list[int] = []
         pieces: list[str] = []
-        first_at = None
         for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*lm.prompt.stop_strings, *options.stop), generated):
-            first_at = first_at or time.perf_counter()
             pieces.append(piece)
             yield piece
         timings.decode_tokens = max(0, len(generated) - 1)
