@@ -1,4 +1,4 @@
-"""Command line: `cacheclip demo | ingest | query | inspect`.
+"""Command line: `cacheclip demo | ingest | query | inspect | eval`.
 
 Environment variables are read here only (CACHECLIP_CACHE moves the model cache and default store).
 """
@@ -96,6 +96,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import datetime
+    import os
+    import platform
+    from dataclasses import replace
+
+    import torch
+
+    from .evaluation import report, runner
+    from .models import cache_dir
+
+    profile = runner.PROFILES[args.profile]
+    if args.tasks:
+        profile = replace(profile, tasks=tuple(args.tasks.split(",")))
+    if args.lengths:
+        profile = replace(profile, lengths=tuple(int(x) for x in args.lengths.split(",")))
+    config = _config(args)
+    if not args.store:
+        config = replace(config, store_path=cache_dir() / "eval-store")
+    engine = Engine.from_config(config)
+    records = runner.run(engine, profile, seed=args.seed)
+    alignment, maps = runner.alignment_study(engine, profile.alignment_lengths, seed=args.seed) if engine.aux else ([], {})
+    meta = {
+        "date": datetime.date.today().isoformat(), "command": "cacheclip " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, device {config.device}",
+        "models": f"primary {engine.primary.name}, aux {engine.aux.name if engine.aux else None}",
+        "profile": f"{profile.name}: lengths {profile.lengths}, {len(profile.tasks)} tasks x {profile.samples} samples, "
+                   f"ratios {profile.ratios}, greedy, {profile.max_new_tokens} new tokens, answer primed",
+    }
+    paths = report.write(Path(args.out), records, alignment, maps, meta, profile.headline_ratio)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cacheclip", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -127,6 +162,14 @@ def parser() -> argparse.ArgumentParser:
     query.add_argument("--ratio", type=float, default=0.2)
     query.add_argument("--max-new-tokens", type=int, default=32)
     query.set_defaults(func=cmd_query)
+
+    evaluate = with_models(sub.add_parser("eval", help="RULER retrieval, fidelity and alignment evaluation"))
+    evaluate.add_argument("--profile", default="quick", choices=("quick", "full"))
+    evaluate.add_argument("--tasks", default=None, help="comma-separated subset of the RULER tasks")
+    evaluate.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens")
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--out", default="eval-results")
+    evaluate.set_defaults(func=cmd_eval)
 
     inspect = sub.add_parser("inspect", help="store statistics: entries, bytes, models")
     inspect.add_argument("--store", default=None)

@@ -1,0 +1,26 @@
+"""How closely a reuse method follows full attention on the same prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def first_token_kl(full_logits: torch.Tensor, method_logits: torch.Tensor) -> float:
+    """KL(full || method) of the first answer token's distributions, in nats. Logits: [V]."""
+    if full_logits.shape != method_logits.shape:
+        raise ValueError(f"logit shapes differ: {tuple(full_logits.shape)} vs {tuple(method_logits.shape)}")
+    log_p = torch.log_softmax(full_logits.double(), dim=-1)
+    log_q = torch.log_softmax(method_logits.double(), dim=-1)
+    return float((log_p.exp() * (log_p - log_q)).sum().clamp(min=0.0))
+
+
+def greedy_agreement(full_tokens: Sequence[int], method_tokens: Sequence[int], limit: int = 32) -> float:
+    """Fraction of the first `limit` greedy answer tokens of `full` that the method reproduces at the
+    same position; a token the method did not produce (it stopped earlier) counts as a mismatch."""
+    reference = list(full_tokens)[:limit]
+    if not reference:
+        return float(len(method_tokens) == 0)
+    produced = list(method_tokens)[: len(reference)]
+    return sum(a == b for a, b in zip(reference, produced)) / len(reference)
