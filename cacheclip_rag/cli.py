@@ -1,4 +1,4 @@
-"""Command line: `cacheclip demo | ingest | query | inspect | eval`.
+"""Command line: `cacheclip demo | ingest | query | inspect | eval | bench`.
 
 Environment variables are read here only (CACHECLIP_CACHE moves the model cache and default store).
 """
@@ -60,24 +60,68 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ingest(args: argparse.Namespace) -> int:
-    engine = Engine.from_config(_config(args))
-    chunks: list[str] = []
-    for path in map(Path, args.paths):
+def _read_chunks(paths: list[str]) -> list[tuple[str, str]]:
+    """(file name, chunk) for every .md/.txt file under `paths`: markdown sections, else the whole file."""
+    out = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise SystemExit(f"no such file or folder: {path}")
         for file in sorted(path.rglob("*") if path.is_dir() else [path]):
             if file.suffix in {".md", ".txt"}:
                 text = file.read_text(encoding="utf-8")
-                chunks.extend(split_sections(text) or [text])
-    engine.ingest(chunks)
-    print(f"ingested {len(chunks)} chunks into {engine.store.path}")
+                out.extend((file.name, chunk) for chunk in split_sections(text) or [text] if chunk.strip())
+    return out
+
+
+def _index_dir(args: argparse.Namespace) -> Path:
+    from .models import cache_dir
+
+    return Path(args.index) if args.index else cache_dir() / "index"
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    """Files -> chunks -> FAISS index (MiniLM embeddings, LlamaIndex) + each chunk's KV in the store."""
+    import faiss
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.schema import TextNode
+    from llama_index.vector_stores.faiss import FaissVectorStore
+
+    from .integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding
+
+    engine = Engine.from_config(_config(args))
+    chunks = _read_chunks(args.paths)
+    if not chunks:
+        raise SystemExit("no .md or .txt text found")
+    nodes = [TextNode(text=chunk, metadata={"file": name}) for name, chunk in chunks]
+    vector_store = CacheClipVectorStore(FaissVectorStore(faiss_index=faiss.IndexFlatL2(384)), engine)
+    index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=vector_store),
+                             embed_model=MiniLMEmbedding(), show_progress=True)
+    index.storage_context.persist(persist_dir=str(_index_dir(args)))
+    print(f"ingested {len(nodes)} chunks: index {_index_dir(args)}, KV store {engine.store.path}")
     return 0
 
 
 def cmd_query(args: argparse.Namespace) -> int:
     engine = Engine.from_config(_config(args))
-    chunks = [Path(p).read_text(encoding="utf-8") for p in args.chunk_files] if args.chunk_files else demo_chunks()
-    stream = engine.stream(args.question, chunks, RequestOptions(method=args.method, ratio=args.ratio,
-                                                                  max_new_tokens=args.max_new_tokens))
+    options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+    if args.chunk_files:
+        chunks = [Path(p).read_text(encoding="utf-8") for p in args.chunk_files]
+    elif args.index or (_index_dir(args) / "docstore.json").exists():
+        from llama_index.core import StorageContext, load_index_from_storage
+        from llama_index.vector_stores.faiss import FaissVectorStore
+
+        from .integrations.llamaindex import MiniLMEmbedding, node_text
+
+        directory = str(_index_dir(args))
+        context = StorageContext.from_defaults(vector_store=FaissVectorStore.from_persist_dir(directory),
+                                               persist_dir=directory)
+        index = load_index_from_storage(context, embed_model=MiniLMEmbedding())
+        nodes = index.as_retriever(similarity_top_k=args.top_k).retrieve(args.question)
+        chunks = [node_text(n.node) for n in nodes]
+        print(f"retrieved {len(chunks)} chunks from {directory}", file=sys.stderr)
+    else:
+        chunks = demo_chunks()
+    stream = engine.stream(args.question, chunks, options)
     for piece in stream:
         print(piece, end="", flush=True)
     print()
@@ -131,6 +175,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run `bench/bench_<name>.py` of the source checkout with the remaining arguments."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "bench" / f"bench_{args.name}.py"
+    if not script.exists():
+        raise SystemExit(f"no benchmark {script}: benchmarks live in the source checkout's bench/ folder")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cacheclip", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -151,13 +207,17 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=16)
     demo.set_defaults(func=cmd_demo)
 
-    ingest = with_models(sub.add_parser("ingest", help="precompute KV for files or folders (.md/.txt)"))
+    ingest = with_models(sub.add_parser("ingest", help="files or folders (.md/.txt) -> FAISS index + KV store"))
     ingest.add_argument("paths", nargs="+")
+    ingest.add_argument("--index", default=None, help="index directory (default: user cache)")
     ingest.set_defaults(func=cmd_ingest)
 
     query = with_models(sub.add_parser("query", help="answer a question over chunk files (default: the handbook)"))
     query.add_argument("question")
-    query.add_argument("--chunk-files", nargs="*")
+    query.add_argument("--chunk-files", nargs="*", help="answer over these files (default: the ingested index, "
+                       "else the bundled handbook)")
+    query.add_argument("--index", default=None, help="index directory written by `ingest`")
+    query.add_argument("--top-k", type=int, default=4)
     query.add_argument("--method", default="cacheclip", choices=METHODS)
     query.add_argument("--ratio", type=float, default=0.2)
     query.add_argument("--max-new-tokens", type=int, default=32)
@@ -170,6 +230,11 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--out", default="eval-results")
     evaluate.set_defaults(func=cmd_eval)
+
+    bench = sub.add_parser("bench", help="run a benchmark script: reuse, methods, kernel, transfer, ...")
+    bench.add_argument("name")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
 
     inspect = sub.add_parser("inspect", help="store statistics: entries, bytes, models")
     inspect.add_argument("--store", default=None)

