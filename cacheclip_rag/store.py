@@ -226,14 +226,18 @@ class LMDBStore:
     def close(self) -> None:
         self._env.close()
 
-    def _read(self):
-        """A read transaction; a map grown by another process is adopted first."""
+    def _begin(self, write: bool = False) -> lmdb.Transaction:
+        """A transaction; a map grown by another process in the meantime is adopted first."""
         env = self.env
-        try:
-            return env.begin(buffers=True)
-        except lmdb.MapResizedError:
-            env.set_mapsize(0)  # 0: adopt the size another process set
-            return env.begin(buffers=True)
+        for _ in range(100):
+            try:
+                return env.begin(write=write, buffers=True)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)  # 0: adopt the size another process set
+        raise StoreError(f"{self.path}: the map kept being resized by other processes")
+
+    def _read(self) -> lmdb.Transaction:
+        return self._begin(write=False)
 
     def contains(self, key: bytes) -> bool:
         with self._read() as txn:
@@ -267,7 +271,7 @@ class LMDBStore:
             log.error("store %s: entry %s is corrupted (%s); quarantined, it will be recomputed", self.path, key.hex(), why)
         if self.readonly:
             raise StoreError(f"corrupted entries in read-only store {self.path}: {[k.hex() for k, _, _ in items]}")
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             for key, raw, _ in items:
                 txn.put(key, raw, db=self._dbs[_QUARANTINE])
                 txn.delete(key, db=self._dbs[_ENTRIES])
@@ -278,12 +282,12 @@ class LMDBStore:
             return
         now = time.time()
         try:
-            with self.env.begin(write=True, buffers=True) as txn:
+            with self._begin(write=True) as txn:
                 for k in keys:
                     old = txn.get(k, db=self._dbs[_ACCESS])
                     size = _STAMP.unpack(old)[1] if old is not None else 0
                     txn.put(k, _STAMP.pack(now, size), db=self._dbs[_ACCESS])
-        except (lmdb.MapFullError, lmdb.MapResizedError):
+        except (lmdb.MapFullError, StoreError):
             pass  # access times are a hint for eviction; never fail a read over one
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
@@ -297,15 +301,13 @@ class LMDBStore:
         now = time.time()
         while True:
             try:
-                with self.env.begin(write=True) as txn:
+                with self._begin(write=True) as txn:
                     for k, raw in encoded:
                         txn.put(k, raw, db=self._dbs[_ENTRIES])
                         txn.put(k, _STAMP.pack(now, len(raw)), db=self._dbs[_ACCESS])
                 return
             except lmdb.MapFullError:
                 self._grow(sum(len(raw) for _, raw in encoded))
-            except lmdb.MapResizedError:
-                self.env.set_mapsize(0)
             except lmdb.Error as err:
                 if any(cause in str(err) for cause in _DISK_FULL):
                     raise StoreFullError(
@@ -337,12 +339,12 @@ class LMDBStore:
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove entries; returns how many existed."""
         removed = 0
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             for k in keys:
                 removed += bool(txn.delete(k, db=self._dbs[_ENTRIES]))
                 txn.delete(k, db=self._dbs[_ACCESS])
         # LMDB reuses pages freed by a commit only after the next commit; make the space usable now
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.put(b"last_delete", _STAMP.pack(time.time(), removed), db=self._dbs[_META])
         return removed
 

@@ -341,7 +341,9 @@ def transfer_kv(mapper: Mapper, source: LoadedModel, target: LoadedModel, keys: 
 
 
 def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
-    return a.tokenizer is b.tokenizer or a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
+    if a.tokenizer is b.tokenizer:
+        return True
+    return len(a.tokenizer) == len(b.tokenizer) and a.tokenizer.get_vocab() == b.tokenizer.get_vocab()
 
 
 @dataclass
