@@ -24,12 +24,15 @@ class EngineConfig:
     window: int = 8
     threshold: int = 5
     ingest_batch_size: int = 4
+    device_cache_bytes: int = 0  # > 0: keep hot chunk caches resident on `device` (LRU), e.g. 8 << 30 on a GPU
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:
             raise ValueError(f"threshold must be in [1, window={self.window}], got {self.threshold}")
+        if self.device_cache_bytes < 0:
+            raise ValueError(f"device_cache_bytes must be >= 0, got {self.device_cache_bytes}")
         if self.ingest_batch_size < 1:
             raise ValueError(f"ingest_batch_size must be >= 1, got {self.ingest_batch_size}")
         if not self.system_prompt.strip():

@@ -26,6 +26,7 @@ from .recompute import forward_at, recompute
 from .rope import rotate_keys
 from .select import aux_scores, primary_attention_scores, top_k_candidates, value_deviation_scores
 from .store import ChunkEntry, LMDBStore
+from .tier import DeviceTier
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Engine:
     """Primary model, optional aux model, and the store, with the request path over them."""
 
     primary: LoadedModel
-    store: LMDBStore
+    store: LMDBStore | DeviceTier
     config: EngineConfig = field(default_factory=EngineConfig)
     aux: LoadedModel | None = None
     kernel: SelectedRowsKernel | None = None
@@ -149,8 +150,10 @@ class Engine:
             aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
                 config.aux, device=config.aux_device
             )
-        return cls(primary=primary, store=LMDBStore(config.store_path), config=config, aux=aux,
-                   kernel=default_kernel(primary))
+        store: LMDBStore | DeviceTier = LMDBStore(config.store_path)
+        if config.device_cache_bytes:
+            store = DeviceTier(store, primary.device, config.device_cache_bytes)
+        return cls(primary=primary, store=store, config=config, aux=aux, kernel=default_kernel(primary))
 
     # ---- ingest ------------------------------------------------------------------------------
 

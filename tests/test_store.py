@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from cacheclip_rag import store as store_mod
+from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.ingest import SHARED, chunk_key, precompute, prefix_cache
 from cacheclip_rag.store import ChunkEntry, LMDBStore, StoreError, entry_key
 from cacheclip_rag.testing import tiny_model
@@ -122,3 +123,32 @@ def test_stored_chunk_equals_its_rows_in_a_full_prefill(tmp_path):
             forward_at(lm.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None])
             keys, values = cache.rows(len(prefix.token_ids), len(ids))
             assert (keys - entry.keys).abs().max() < 1e-5 and (values - entry.values).abs().max() < 1e-5
+
+
+def test_device_tier_is_an_lru_by_bytes_that_serves_the_same_entries(tmp_path, make_engine):
+    from cacheclip_rag.tier import DeviceTier
+
+    entries = {bytes([i]): random_entry(tokens=10) for i in range(4)}
+    with LMDBStore(tmp_path / "s") as s:
+        for k, e in entries.items():
+            s.put(k, "m", e)
+        tier = DeviceTier(s, "cpu", max_bytes=2 * entries[b"\x00"].nbytes)
+        got = tier.get_many([b"\x00", b"\x01"], "m")
+        assert all(torch.equal(g.keys, entries[k].keys) for g, k in zip(got, [b"\x00", b"\x01"]))
+        assert (tier.hits, tier.misses) == (0, 2)
+        tier.get_many([b"\x00"], "m")  # 0 is now the most recent
+        tier.get_many([b"\x02"], "m")  # evicts 1, the least recent
+        assert (tier.hits, tier.misses) == (1, 3) and tier.bytes <= tier.max_bytes
+        tier.get_many([b"\x00", b"\x01"], "m")
+        assert (tier.hits, tier.misses) == (2, 4)
+        with pytest.raises(StoreError, match="written by model"):
+            tier.get_many([b"\x03"], "other-model")  # a resident entry never crosses models either
+    lm = tiny_model("llama")
+    plain = make_engine(lm)
+    options = RequestOptions(method="cacheclip", max_new_tokens=3)
+    answer = plain.generate("what is the magic number?", CHUNKS, options)
+    plain.store = DeviceTier(plain.store, "cpu", max_bytes=1 << 30)
+    for _ in range(2):
+        again = plain.generate("what is the magic number?", CHUNKS, options)
+        assert again.token_ids == answer.token_ids and torch.equal(again.first_logits, answer.first_logits)
+    assert plain.store.hits > 0
