@@ -134,7 +134,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = Path(args.store) if args.store else EngineConfig().store_path
     with LMDBStore(path, readonly=True) as store:
         stats = store.stats()
-    print(f"store   {stats['path']}\nentries {stats['entries']}\nbytes   {stats['bytes']:,}")
+    print(f"store   {stats['path']}\nentries {stats['entries']}\nbytes   {stats['bytes']:,} "
+          f"(file {stats['file_bytes']:,})\nquarantined {stats['quarantined']}")
     for model, count in stats["models"].items():
         print(f"model   {model}: {count} entries")
     return 0
@@ -156,6 +157,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         profile = replace(profile, tasks=tuple(args.tasks.split(",")))
     if args.lengths:
         profile = replace(profile, lengths=tuple(int(x) for x in args.lengths.split(",")))
+    if args.ratios:
+        profile = replace(profile, ratios=tuple(float(x) for x in args.ratios.split(",")))
+    if args.variants:
+        profile = replace(profile, variants=tuple(args.variants.split(",")))
+    if args.samples:
+        profile = replace(profile, samples=args.samples)
+    if args.alignment_lengths:
+        profile = replace(profile, alignment_lengths=tuple(int(x) for x in args.alignment_lengths.split(",")))
     config = _config(args)
     if not args.store:
         config = replace(config, store_path=cache_dir() / "eval-store")
@@ -227,6 +236,10 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--profile", default="quick", choices=("quick", "full"))
     evaluate.add_argument("--tasks", default=None, help="comma-separated subset of the RULER tasks")
     evaluate.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens")
+    evaluate.add_argument("--ratios", default=None, help="comma-separated recompute ratios")
+    evaluate.add_argument("--variants", default=None, help="comma-separated methods and ablations")
+    evaluate.add_argument("--samples", type=int, default=None, help="samples per task and length")
+    evaluate.add_argument("--alignment-lengths", default=None, help="context lengths of the alignment study")
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--out", default="eval-results")
     evaluate.set_defaults(func=cmd_eval)

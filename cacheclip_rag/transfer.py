@@ -229,11 +229,18 @@ class Mapper:
 
     def map(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Source features [Ls, T, F_src] (keys RoPE-stripped) -> target features [Lt, T, F_tgt]."""
-        out_k, out_v = [], []
-        for chosen, wk, wv in zip(self.layers, self.key_weights, self.value_weights):
-            out_k.append(_with_bias(torch.cat([keys[s] for s in chosen], dim=-1)) @ wk)
-            out_v.append(_with_bias(torch.cat([values[s] for s in chosen], dim=-1)) @ wv)
-        return torch.stack(out_k), torch.stack(out_v)
+        return self._apply(keys, self.key_weights), self._apply(values, self.value_weights)
+
+    def _apply(self, features: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        # X @ W with X = [f_s1 | f_s2 | ... | 1] is b + sum_j f_sj @ W_j: no concatenated copy of X
+        layers, tokens, width = len(self.layers), features.shape[1], weights[0].shape[1]
+        out = torch.empty(layers, tokens, width, dtype=torch.float32)
+        for t, (chosen, w) in enumerate(zip(self.layers, weights)):
+            src = features.shape[2]
+            out[t] = w[-1]
+            for j, s in enumerate(chosen):
+                out[t].addmm_(features[s], w[j * src : (j + 1) * src])
+        return out
 
     def save(self, path: str | Path) -> None:
         """`path`.safetensors (weights) and `path`.json (metadata)."""
