@@ -70,12 +70,15 @@ def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
 
     rows = _sorted_rows(summary(records)["rows"])
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    baselines = iter([("black", "-"), ("gray", "--"), ("darkgray", ":"), ("silver", "-.")])
+    curves = iter(f"C{i}" for i in range(10))
     for variant in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == variant]
-        if mine[0]["ratio"] is None:
-            ax.axhline(mine[0]["score"], linestyle="--", linewidth=1, label=variant, color=f"C{len(ax.lines)}")
+        if mine[0]["ratio"] is None:  # ratio-free methods: horizontal lines
+            color, style = next(baselines)
+            ax.axhline(mine[0]["score"], linestyle=style, linewidth=1.2, label=variant, color=color)
         else:
-            ax.plot([r["ratio"] for r in mine], [r["score"] for r in mine], marker="o", label=variant)
+            ax.plot([r["ratio"] for r in mine], [r["score"] for r in mine], marker="o", label=variant, color=next(curves))
     ax.set_xlabel("recompute ratio")
     ax.set_ylabel("RULER score (mean over tasks)")
     ax.set_ylim(-0.02, 1.02)
