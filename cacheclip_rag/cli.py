@@ -1,4 +1,4 @@
-"""Command line: `cacheclip demo | ingest | query | inspect | eval | bench`.
+"""Command line: `cacheclip demo | ingest | query | inspect | verify | evict | compact | eval | bench`.
 
 Environment variables are read here only (CACHECLIP_CACHE moves the model cache and default store).
 """
@@ -184,6 +184,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_maintain(args: argparse.Namespace) -> int:
+    """verify (quarantine damaged entries), evict (LRU down to --max-bytes), compact (shrink the file)."""
+    path = Path(args.store) if args.store else EngineConfig().store_path
+    with LMDBStore(path) as store:
+        if args.command == "verify":
+            print(store.verify())
+        elif args.command == "evict":
+            print(f"evicted {store.evict(args.max_bytes)} entries")
+        else:
+            before, after = store.compact()
+            print(f"compacted {path}: {before:,} -> {after:,} bytes")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run `bench/bench_<name>.py` of the source checkout with the remaining arguments."""
     import runpy
@@ -248,6 +262,15 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+
+    for name, text in (("verify", "check every entry's checksum; quarantine damaged ones"),
+                       ("evict", "drop least-recently-used entries down to --max-bytes"),
+                       ("compact", "rewrite the store file without free pages (no other process may use it)")):
+        maintain = sub.add_parser(name, help=text)
+        maintain.add_argument("--store", default=None)
+        if name == "evict":
+            maintain.add_argument("--max-bytes", type=int, required=True)
+        maintain.set_defaults(func=cmd_maintain)
 
     inspect = sub.add_parser("inspect", help="store statistics: entries, bytes, models")
     inspect.add_argument("--store", default=None)

@@ -1,14 +1,13 @@
-"""The command line on the embedded SmolLM2 (slow): ingest a folder into FAISS + the KV store, query
-the index, inspect the store."""
+"""The command line: ingest a folder into FAISS + the KV store, query the index, inspect the store
+(on the embedded SmolLM2, slow); verify, evict and compact a store."""
 
 import pytest
 
 from cacheclip_rag.cli import main
 from tests.conftest import has_embedded_models
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_embedded_models(), reason="embedded models not installed")]
-
-
+@pytest.mark.slow
+@pytest.mark.skipif(not has_embedded_models(), reason="embedded models not installed")
 def test_ingest_query_inspect(tmp_path, capsys):
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -28,3 +27,19 @@ def test_ingest_query_inspect(tmp_path, capsys):
     assert "entries 7" in report and "quarantined 0" in report  # prefix + 3 chunks x (shared, direct)
     with pytest.raises(SystemExit, match="no such file"):
         main(["ingest", str(tmp_path / "missing"), *models])
+
+
+def test_store_maintenance_commands(tmp_path, capsys):
+    from cacheclip_rag.store import LMDBStore
+    from tests.stress.workers import write
+
+    with LMDBStore(tmp_path) as store:
+        write(store, 0, 50)
+    assert main(["verify", "--store", str(tmp_path)]) == 0
+    assert "'ok': 50" in capsys.readouterr().out
+    assert main(["evict", "--store", str(tmp_path), "--max-bytes", "100000"]) == 0
+    assert "evicted" in capsys.readouterr().out
+    assert main(["compact", "--store", str(tmp_path)]) == 0
+    assert "compacted" in capsys.readouterr().out
+    with LMDBStore(tmp_path) as store:
+        assert 0 < store.stats()["bytes"] <= 100000
