@@ -13,9 +13,11 @@ re-prefill everything. Instead (Heo et al. 2026, `../shared/seeds/kv-transfer-po
    its own ridge problem, so this equals one fit per target KV head; head counts and head dims may
    differ. XᵀX and XᵀY are accumulated in float64 over calibration texts (no activations held).
    λ is relative: λ · mean(diag XᵀX), so one setting fits every scale.
-4. Validate: held-out R² per layer for keys and values, saved with the mapper; applying a mapper
+4. Optionally (`mlp_hidden > 0`), a small residual MLP per target layer learns what the linear map
+   leaves (the post reports it recovers pairs where linear fails).
+5. Validate: held-out R² per layer for keys and values, saved with the mapper; applying a mapper
    below the threshold is refused unless forced.
-5. Apply: strip the source RoPE at the source positions, align, map, re-apply the target's RoPE at
+6. Apply: strip the source RoPE at the source positions, align, map, re-apply the target's RoPE at
    the target positions. The first position (BOS, the attention sink) is computed by the target.
 """
 
@@ -48,6 +50,9 @@ class TransferConfig:
     min_r2: float = 0.5  # gate: the weakest layer's held-out R² (keys and values) must reach this
     select_texts: int = 4  # calibration texts used to rank source layers
     validation_fraction: float = 0.2
+    mlp_hidden: int = 0  # > 0: add a residual MLP per target layer on top of the ridge map (for pairs it fails)
+    mlp_steps: int = 300
+    mlp_rows: int = 8192  # calibration rows kept in memory to train the MLPs
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -56,6 +61,8 @@ class TransferConfig:
             raise ValueError(f"ridge must be > 0, got {self.ridge}")
         if not 0 < self.validation_fraction < 1:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
+        if self.mlp_hidden < 0 or self.mlp_steps < 1:
+            raise ValueError(f"need mlp_hidden >= 0 and mlp_steps >= 1, got {self.mlp_hidden}, {self.mlp_steps}")
 
 
 class MapperError(ValueError):
@@ -192,6 +199,34 @@ def select_layers(source: Sequence[KVText], target: Sequence[KVText], aligned: S
     return [sorted(scores[t].topk(k).indices.tolist()) for t in range(tgt_k.shape[0])], scores
 
 
+def fit_mlp(x: torch.Tensor, y: torch.Tensor, hidden: int, steps: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A residual MLP y ≈ GELU(x W1 + b1) W2 + b2 (Adam, full-batch minibatches of 1024; inputs and
+    outputs standardised inside the weights). W2 starts at zero, so an untrained MLP adds nothing."""
+    g = torch.Generator().manual_seed(seed)
+    mean, std = x.mean(0), x.std(0).clamp(min=1e-6)
+    scale = y.std().clamp(min=1e-6)
+    w1 = (torch.randn(x.shape[1], hidden, generator=g) / math.sqrt(x.shape[1])).requires_grad_()
+    b1 = torch.zeros(hidden, requires_grad=True)
+    w2 = torch.zeros(hidden, y.shape[1], requires_grad=True)
+    b2 = torch.zeros(y.shape[1], requires_grad=True)
+    opt = torch.optim.Adam([w1, b1, w2, b2], lr=3e-3)
+    xs, ys = (x - mean) / std, y / scale
+    with torch.enable_grad():
+        for _ in range(steps):
+            rows = torch.randint(0, x.shape[0], (min(1024, x.shape[0]),), generator=g)
+            loss = (torch.nn.functional.gelu(xs[rows] @ w1 + b1) @ w2 + b2 - ys[rows]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    with torch.no_grad():  # fold the standardisation into the weights
+        return {"w1": (w1 / std[:, None]).detach(), "b1": (b1 - (mean / std) @ w1).detach(),
+                "w2": (w2 * scale).detach(), "b2": (b2 * scale).detach()}
+
+
+def apply_mlp(mlp: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ mlp["w1"] + mlp["b1"]) @ mlp["w2"] + mlp["b2"]
+
+
 # ---- the mapper ------------------------------------------------------------------------------
 
 
@@ -209,6 +244,8 @@ class Mapper:
     ridge: float
     min_r2: float
     validation: dict = field(default_factory=dict)  # {"key_r2": [...], "value_r2": [...], "rows": n}
+    key_mlps: list[dict[str, torch.Tensor]] = field(default_factory=list)  # optional residual MLPs per layer
+    value_mlps: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     @property
     def weakest_r2(self) -> float:
@@ -229,9 +266,13 @@ class Mapper:
 
     def map(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Source features [Ls, T, F_src] (keys RoPE-stripped) -> target features [Lt, T, F_tgt]."""
-        return self._apply(keys, self.key_weights), self._apply(values, self.value_weights)
+        return self._apply(keys, self.key_weights, self.key_mlps), self._apply(values, self.value_weights, self.value_mlps)
 
-    def _apply(self, features: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    def inputs(self, features: torch.Tensor, layer: int) -> torch.Tensor:
+        """The chosen source layers' features of target `layer`, side by side: [T, k*F_src]."""
+        return torch.cat([features[s] for s in self.layers[layer]], dim=-1)
+
+    def _apply(self, features: torch.Tensor, weights: list[torch.Tensor], mlps: list[dict]) -> torch.Tensor:
         # X @ W with X = [f_s1 | f_s2 | ... | 1] is b + sum_j f_sj @ W_j: no concatenated copy of X
         layers, tokens, width = len(self.layers), features.shape[1], weights[0].shape[1]
         out = torch.empty(layers, tokens, width, dtype=torch.float32)
@@ -240,6 +281,8 @@ class Mapper:
             out[t] = w[-1]
             for j, s in enumerate(chosen):
                 out[t].addmm_(features[s], w[j * src : (j + 1) * src])
+            if mlps:
+                out[t] += apply_mlp(mlps[t], self.inputs(features, t))
         return out
 
     def save(self, path: str | Path) -> None:
@@ -247,8 +290,11 @@ class Mapper:
         path = Path(path)
         tensors = {f"key.{i}": w.contiguous() for i, w in enumerate(self.key_weights)}
         tensors |= {f"value.{i}": w.contiguous() for i, w in enumerate(self.value_weights)}
+        for kind, mlps in (("key", self.key_mlps), ("value", self.value_mlps)):
+            tensors |= {f"mlp.{kind}.{i}.{n}": t.contiguous() for i, m in enumerate(mlps) for n, t in m.items()}
         save_file(tensors, str(path.with_suffix(".safetensors")))
-        meta = {k: v for k, v in asdict(self).items() if k not in ("key_weights", "value_weights")}
+        meta = {k: v for k, v in asdict(self).items() if k not in ("key_weights", "value_weights", "key_mlps", "value_mlps")}
+        meta["mlp"] = bool(self.key_mlps)
         path.with_suffix(".json").write_text(json.dumps({"version": MAPPER_VERSION, **meta}, indent=1))
 
     @classmethod
@@ -261,9 +307,13 @@ class Mapper:
             raise MapperError(f"{path} is not a version-{MAPPER_VERSION} mapper")
         tensors = load_file(str(path.with_suffix(".safetensors")))
         n = len(meta["layers"])
+        has_mlp = meta.pop("mlp", False)
+        mlps = {kind: [{w: tensors[f"mlp.{kind}.{i}.{w}"] for w in ("w1", "b1", "w2", "b2")} for i in range(n)]
+                if has_mlp else [] for kind in ("key", "value")}
         mapper = cls(
             **{**meta, "source_layout": tuple(meta["source_layout"]), "target_layout": tuple(meta["target_layout"])},
             key_weights=[tensors[f"key.{i}"] for i in range(n)], value_weights=[tensors[f"value.{i}"] for i in range(n)],
+            key_mlps=mlps["key"], value_mlps=mlps["value"],
         )
         if source is not None and target is not None:
             mapper.check(source, target, force)
@@ -292,7 +342,14 @@ def calibrate(source: LoadedModel, target: LoadedModel, texts: Sequence[str], co
     acc_k = [RidgeAccumulator(len(c) * width_src + 1, width_tgt) for c in layers]
     acc_v = [RidgeAccumulator(len(c) * width_src + 1, width_tgt) for c in layers]
 
+    kept: list[tuple[torch.Tensor, ...]] = []  # rows kept for the MLPs: source k, v, target k, v
+    kept_rows = 0
+
     def accumulate(s: KVText, t: KVText, index: torch.Tensor) -> None:
+        nonlocal kept_rows
+        if config.mlp_hidden and kept_rows < config.mlp_rows:
+            kept.append((s.keys[:, index], s.values[:, index], t.keys, t.values))
+            kept_rows += len(index)
         for layer, chosen in enumerate(layers):
             acc_k[layer].add(_with_bias(torch.cat([s.keys[c][index] for c in chosen], -1)), t.keys[layer])
             acc_v[layer].add(_with_bias(torch.cat([s.values[c][index] for c in chosen], -1)), t.values[layer])
@@ -305,6 +362,14 @@ def calibrate(source: LoadedModel, target: LoadedModel, texts: Sequence[str], co
         source.fingerprint.digest, target.fingerprint.digest, kv_layout(source), kv_layout(target), layers,
         [a.solve(config.ridge) for a in acc_k], [a.solve(config.ridge) for a in acc_v], config.ridge, config.min_r2,
     )
+    if config.mlp_hidden:
+        sk, sv, tk, tv = (torch.cat(parts, dim=1) for parts in zip(*kept))
+        linear_k, linear_v = mapper.map(sk, sv)
+        for layer in range(len(layers)):  # each MLP learns what the ridge map leaves
+            mapper.key_mlps.append(fit_mlp(mapper.inputs(sk, layer), tk[layer] - linear_k[layer], config.mlp_hidden,
+                                           config.mlp_steps, seed=layer))
+            mapper.value_mlps.append(fit_mlp(mapper.inputs(sv, layer), tv[layer] - linear_v[layer], config.mlp_hidden,
+                                             config.mlp_steps, seed=1000 + layer))
     held_out = [pair(t) for t in valid_texts]
     bar.close()
     mapper.validation = validate(mapper, held_out)

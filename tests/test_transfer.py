@@ -184,3 +184,35 @@ def test_config_validation():
         TransferConfig(top_k=0)
     with pytest.raises(ValueError, match="ridge"):
         TransferConfig(ridge=0.0)
+
+
+def test_mlp_learns_what_a_linear_map_cannot():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 12, generator=g)
+    y = torch.tanh(2 * x[:, :6]) * x[:, 6:12]  # no linear map explains this
+    linear = fit_all_at_once(_bias(x), y, 1e-6)
+    residual = y - _bias(x) @ linear
+    from cacheclip_rag.transfer import apply_mlp, fit_mlp, r_squared
+
+    mlp = fit_mlp(x[:3000], residual[:3000], hidden=64, steps=600)
+    held_linear = _bias(x[3000:]) @ linear
+    assert r_squared(held_linear, y[3000:]) < 0.2
+    assert r_squared(held_linear + apply_mlp(mlp, x[3000:]), y[3000:]) > 0.6
+
+
+def _bias(x):
+    return torch.cat([x, torch.ones(len(x), 1)], dim=1)
+
+
+def test_calibration_with_mlps_validates_and_round_trips(pair, tmp_path):
+    source, _ = pair
+    unrelated = tiny_model("llama", seed=7)
+    config = TransferConfig(top_k=2, select_texts=2, mlp_hidden=16, mlp_steps=50)
+    mapper = calibrate(source, unrelated, texts(6), config, progress=False)
+    assert len(mapper.key_mlps) == len(mapper.layers) == unrelated.config.num_hidden_layers
+    assert len(mapper.validation["key_r2"]) == len(mapper.layers)
+    mapper.save(tmp_path / "mlp")
+    loaded = Mapper.load(tmp_path / "mlp")
+    keys = torch.randn(source.config.num_hidden_layers, 5, 32)
+    # same weights; BLAS may take another path for the loaded (contiguous) copies: rounding only
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(loaded.map(keys, keys), mapper.map(keys, keys)))
