@@ -1,8 +1,9 @@
 """Cross-model KV transfer vs re-prefill: speed and quality, for the model pairs available here.
 
 Pairs: SmolLM2-135M -> Gemma 3 270M (cross-family: other tokenizer, layer count, heads and head dim;
-the post covers same-family pairs only) and SmolLM2-135M -> "SmolLM2-pruned" (the same model with
-4 of its 30 layers removed: a same-architecture pair we can build here).
+the post covers same-family pairs only), the same with the residual MLP, and SmolLM2-135M ->
+"SmolLM2-pruned" (the same model with 4 of its 30 layers removed: a same-architecture pair we can
+build here).
 
 Per pair: calibrate (CPU profile: --texts x ~--tokens), then for RULER single2 samples at each
 length: the source holds the document's cache (it was serving the conversation); the target either
@@ -98,17 +99,22 @@ def main() -> int:
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--mlp-hidden", type=int, default=64)
     args = p.parse_args()
     torch.manual_seed(0)
     smollm2 = load_model("smollm2-135m")
-    pairs = [("SmolLM2 -> Gemma 3", smollm2, load_model("gemma3-270m")),
-             ("SmolLM2 -> SmolLM2-pruned", smollm2, pruned(smollm2, range(20, 24)))]
+    gemma = load_model("gemma3-270m")
+    linear = TransferConfig(top_k=args.top_k)
+    mlp = TransferConfig(top_k=args.top_k, mlp_hidden=args.mlp_hidden, mlp_steps=200)
+    pairs = [("SmolLM2 -> Gemma 3", smollm2, gemma, linear),
+             ("SmolLM2 -> Gemma 3, +MLP", smollm2, gemma, mlp),
+             ("SmolLM2 -> SmolLM2-pruned", smollm2, pruned(smollm2, range(20, 24)), linear)]
     texts = calibration_texts(args.texts, args.tokens)
     lengths = [int(x) for x in args.lengths.split(",")]
     calib_rows, rows = [], []
-    for name, source, target in pairs:
+    for name, source, target, config in pairs:
         t0 = time.perf_counter()
-        mapper = calibrate(source, target, texts, TransferConfig(top_k=args.top_k))
+        mapper = calibrate(source, target, texts, config)
         v = mapper.validation
         calib_rows.append((name, time.perf_counter() - t0, statistics.fmean(v["key_r2"]), min(v["key_r2"]),
                            statistics.fmean(v["value_r2"]), min(v["value_r2"]), mapper.weakest_r2 >= mapper.min_r2))
@@ -116,7 +122,8 @@ def main() -> int:
             results = [measure(source, target, mapper, length, seed) for seed in range(args.samples)]
             rows.append((name, length, results))
     print(f"calibration: {args.texts} texts x ~{args.tokens} tokens, top-{args.top_k} source layers, "
-          f"20% held out; gate: weakest layer R² >= {TransferConfig().min_r2}\n")
+          f"20% held out; gate: weakest layer R² >= {TransferConfig().min_r2}; +MLP: residual MLP "
+          f"(hidden {args.mlp_hidden}, 200 Adam steps) per target layer\n")
     print("| pair | calibration s | key R² mean (min) | value R² mean (min) | gate |\n|---|---|---|---|---|")
     for name, secs, km, kmin, vm, vmin, ok in calib_rows:
         print(f"| {name} | {secs:.0f} | {km:.3f} ({kmin:.3f}) | {vm:.3f} ({vmin:.3f}) | {'pass' if ok else 'refused'} |")
