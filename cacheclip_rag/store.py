@@ -197,8 +197,15 @@ class LMDBStore:
             max_readers=256, max_dbs=4, metasync=True, sync=True,
         )
         create = not self.readonly
-        self._dbs = {name: self._env.open_db(name, create=create) if create or self._has_db(name) else None
-                     for name in (_ENTRIES, _ACCESS, _QUARANTINE, _META)}
+        for _ in range(100):  # another process may grow the map while we open the tables
+            try:
+                self._dbs = {name: self._env.open_db(name, create=create) if create or self._has_db(name) else None
+                             for name in (_ENTRIES, _ACCESS, _QUARANTINE, _META)}
+                break
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+        else:
+            raise StoreError(f"{self.path}: the map kept being resized by other processes")
         if self._dbs[_ENTRIES] is None:
             raise StoreError(f"{self.path} is not a cacheclip store (no entries table)")
 
