@@ -16,7 +16,7 @@ re-prefill everything. Instead (Heo et al. 2026, `../shared/seeds/kv-transfer-po
 4. Optionally (`mlp_hidden > 0`), a small residual MLP per target layer learns what the linear map
    leaves (the post reports it recovers pairs where linear fails).
 5. Validate: held-out R² per layer for keys and values, saved with the mapper; applying a mapper
-   below the threshold is refused unless forced.
+   whose mean R² (of keys, or of values) is below the threshold is refused unless forced.
 6. Apply: strip the source RoPE at the source positions, align, map, re-apply the target's RoPE at
    the target positions. The first position (BOS, the attention sink) is computed by the target.
 """
@@ -47,7 +47,10 @@ MAPPER_VERSION = 1
 class TransferConfig:
     top_k: int = 3  # source layers per target layer
     ridge: float = 1e-3  # relative: λ = ridge · mean(diag XᵀX)
-    min_r2: float = 0.5  # gate: the weakest layer's held-out R² (keys and values) must reach this
+    # gate: the held-out R² averaged over layers, for keys and for values, must reach this. Measured
+    # here: a same-architecture pair that keeps NIAH accuracy had 0.97/0.95, a cross-family pair that
+    # lost every needle 0.75/0.71 (bench/RESULTS.md), so 0.85 separates them.
+    min_r2: float = 0.85
     select_texts: int = 4  # calibration texts used to rank source layers
     validation_fraction: float = 0.2
     mlp_hidden: int = 0  # > 0: add a residual MLP per target layer on top of the ridge map (for pairs it fails)
@@ -248,8 +251,10 @@ class Mapper:
     value_mlps: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
     @property
-    def weakest_r2(self) -> float:
-        return min(min(self.validation["key_r2"]), min(self.validation["value_r2"]))
+    def gate_r2(self) -> float:
+        """The lower of the mean held-out R² of keys and of values."""
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        return min(mean(self.validation["key_r2"]), mean(self.validation["value_r2"]))
 
     def check(self, source: LoadedModel, target: LoadedModel, force: bool = False) -> None:
         """Refuse a mapper made for another pair, or (unless forced) one below its validation gate."""
@@ -258,10 +263,10 @@ class Mapper:
                 f"mapper was fitted for {self.source_fingerprint[:12]}->{self.target_fingerprint[:12]}, not for "
                 f"{source.name} ({source.fingerprint.digest[:12]}) -> {target.name} ({target.fingerprint.digest[:12]})"
             )
-        if not force and self.weakest_r2 < self.min_r2:
+        if not force and self.gate_r2 < self.min_r2:
             raise MapperError(
-                f"mapper {source.name}->{target.name} failed its validation gate: weakest held-out R² "
-                f"{self.weakest_r2:.3f} < {self.min_r2}; pass force=True to apply it anyway"
+                f"mapper {source.name}->{target.name} failed its validation gate: mean held-out R² "
+                f"{self.gate_r2:.3f} < {self.min_r2}; pass force=True to apply it anyway"
             )
 
     def map(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

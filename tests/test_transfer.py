@@ -137,7 +137,7 @@ def test_gate_refuses_a_poor_mapper_and_another_pair(pair, exact_mapper, tmp_pat
     source, target = pair
     unrelated = tiny_model("llama", seed=7)
     poor = calibrate(source, unrelated, texts(6), TransferConfig(top_k=1, min_r2=0.9, select_texts=2), progress=False)
-    assert poor.weakest_r2 < 0.9
+    assert poor.gate_r2 < 0.9
     with pytest.raises(MapperError, match="validation gate"):
         poor.check(source, unrelated)
     poor.check(source, unrelated, force=True)  # forced: allowed
