@@ -192,12 +192,19 @@ class LMDBStore:
 
     def _open(self) -> None:
         self._pid = os.getpid()
-        self._env = lmdb.open(
-            str(self.path), map_size=self._map_size, subdir=True, readonly=self.readonly, lock=True,
-            max_readers=256, max_dbs=4, metasync=True, sync=True,
-        )
         create = not self.readonly
-        for _ in range(100):  # another process may grow the map while we open the tables
+        for _ in range(100):  # another process may grow the map while we open the file or its tables
+            try:
+                self._env = lmdb.open(
+                    str(self.path), map_size=self._map_size, subdir=True, readonly=self.readonly, lock=True,
+                    max_readers=256, max_dbs=4, metasync=True, sync=True,
+                )
+                break
+            except lmdb.MapResizedError:  # a failed open leaves nothing open; try again
+                time.sleep(0.01)
+        else:
+            raise StoreError(f"{self.path}: the map kept being resized by other processes")
+        for _ in range(100):
             try:
                 self._dbs = {name: self._env.open_db(name, create=create) if create or self._has_db(name) else None
                              for name in (_ENTRIES, _ACCESS, _QUARANTINE, _META)}
