@@ -21,7 +21,7 @@ from tests.stress.workers import FINGERPRINT, check_entry, synthetic_key, write 
 
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 
-STOP = 100_000
+STOP = 40_000
 
 
 def worker(*args: str) -> subprocess.Popen:

@@ -137,6 +137,17 @@ def test_two_writers_at_once_are_serialised_without_loss(tmp_path):
     assert committed(tmp_path, 600) == list(range(600))
 
 
+def test_processes_opening_while_others_grow_the_map(tmp_path):
+    """Readers and writers started together: each opens the store while the others grow it."""
+    with LMDBStore(tmp_path, map_size=1 << 20) as store:
+        write(store, 0, 5)
+    procs = [worker("writer", str(tmp_path), "0", "500", "5"), worker("writer", str(tmp_path), "250", "700", "3")]
+    procs += [worker("reader", str(tmp_path), "700", "4") for _ in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-800:] for _, err in outs]
+    assert committed(tmp_path, 700) == list(range(700))
+
+
 def test_size_cap_gives_a_clear_error_and_keeps_everything(tmp_path):
     with LMDBStore(tmp_path, map_size=1 << 20, max_bytes=2 << 20) as store:
         written = 0

@@ -2,8 +2,8 @@
 
 Run from the repository root as `python -m tests.stress.workers <role> <store> [args]`:
 
-- `writer START STOP [BATCH]`: prints `ready`, then writes the synthetic entries START..STOP-1 (BATCH
-  per transaction), skipping those already stored; prints how many it wrote. Killed at random moments by the tests.
+- `writer START STOP [BATCH]`: finds which synthetic entries START..STOP-1 are not stored yet, prints
+  `ready`, writes them (BATCH per transaction), and prints how many it wrote. Killed at random moments by the tests.
 - `reader STOP SECONDS`: reads every synthetic key over and over for SECONDS, checking each entry it
   sees is whole and equals what the writer writes; prints entries seen per pass.
 - `ingest N`: precomputes N chunks with the tiny Llama (batch 1), the real ingest path.
@@ -43,11 +43,19 @@ def check_entry(i: int, entry: ChunkEntry) -> None:
         raise AssertionError(f"entry {i} differs from what was written (torn or wrong read)")
 
 
-def write(store: LMDBStore, start: int, stop: int, batch: int = 4) -> int:
-    todo = [i for i in range(start, stop) if not store.contains(synthetic_key(i))]
+def pending(store: LMDBStore, start: int, stop: int) -> list[int]:
+    return [i for i in range(start, stop) if not store.contains(synthetic_key(i))]
+
+
+def write_pending(store: LMDBStore, todo: list[int], batch: int = 4) -> int:
     for at in range(0, len(todo), batch):
         store.put_many([(synthetic_key(i), FINGERPRINT, synthetic_entry(i)) for i in todo[at : at + batch]])
     return len(todo)
+
+
+def write(store: LMDBStore, start: int, stop: int, batch: int = 4) -> int:
+    """Write the entries start..stop-1 not stored yet; returns how many were written."""
+    return write_pending(store, pending(store, start, stop), batch)
 
 
 def read_all(store: LMDBStore, stop: int) -> int:
@@ -65,8 +73,9 @@ def main(argv: list[str]) -> int:
     if role == "writer":
         start, stop, *batch = map(int, rest)
         with LMDBStore(path, map_size=1 << 20) as store:
-            print("ready", flush=True)  # imports done: the crash tests time their kills from here
-            print(write(store, start, stop, *batch), flush=True)
+            todo = pending(store, start, stop)
+            print("ready", flush=True)  # about to write: the crash tests time their kills from here
+            print(write_pending(store, todo, *batch), flush=True)
     elif role == "reader":
         stop, seconds = int(rest[0]), float(rest[1])
         with LMDBStore(path, map_size=1 << 20) as store:
