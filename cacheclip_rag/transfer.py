@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,10 +36,11 @@ from tqdm.auto import tqdm
 
 from .align import tiled_spans
 from .attention import use_cacheclip_attention
-from .ingest import kv_layout, new_cache
+from .ingest import SHARED, chunk_key, chunk_unit, kv_layout, new_cache, prefix_cache
 from .models import LoadedModel
 from .recompute import forward_at
 from .rope import rotate_keys
+from .store import ChunkEntry
 
 MAPPER_VERSION = 1
 
@@ -524,11 +526,6 @@ def migrate(store, source: LoadedModel, target: LoadedModel, mapper: Mapper, tex
             system_prompt: str, force: bool = False, progress: bool = True) -> MigrationReport:
     """Write the target's shared-prefix chunk entries for `texts`, mapped from the source's stored ones.
     (Direct-variant entries are not migrated; the engine computes them on first use.)"""
-    import time
-
-    from .ingest import SHARED, chunk_key, chunk_unit, prefix_cache
-    from .store import ChunkEntry
-
     mapper.check(source, target, force)
     started = time.perf_counter()
     src_prefix = prefix_cache(source, store, system_prompt)

@@ -62,12 +62,18 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
     return "\n".join(out) + "\n"
 
 
-def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (imported lazily: only reports need it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
+    plt = _pyplot()
     rows = _sorted_rows(summary(records)["rows"])
     fig, ax = plt.subplots(figsize=(6.5, 4))
     baselines = iter([("black", "-"), ("gray", "--"), ("darkgray", ":"), ("silver", "-.")])
@@ -90,11 +96,7 @@ def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
 
 
 def plot_tasks(records: Sequence[Record], ratio: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["ratio"] in (None, ratio)]
     tasks = sorted({r.task for r in records}, key=lambda t: ("single" not in t, t))
     fig, ax = plt.subplots(figsize=(max(7, len(tasks) * 1.1), 4))
@@ -113,11 +115,7 @@ def plot_tasks(records: Sequence[Record], ratio: float, path: Path) -> None:
 
 
 def plot_alignment(maps: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 5), sharex=True)
     for ax, name in zip(axes, ("aux_last", "pri_first", "pri_last")):
         chars = maps[name].float()
