@@ -129,7 +129,7 @@ def main() -> int:
     for length, label, ratio, r, speedup in rows:
         print(f"| {length} | {label} | {ratio:g} | {r['recomputed']:.2f} | {1e3 * r['ttft']:.1f} | {speedup:.2f}× | "
               f"{1e3 * r['load']:.1f} | {1e3 * r['select']:.1f} | {1e3 * r['recompute']:.1f} |")
-    print(f"\nmedian TTFT over lengths: " + ", ".join(
+    print("\nmedian TTFT over lengths: " + ", ".join(
         f"{label}@{ratio:g}: {statistics.median(s for _, l, rr, _, s in rows if l == label and rr == ratio):.2f}×"
         for label, ratio in dict.fromkeys((l, rr) for _, l, rr, _, _ in rows)))
     return 0

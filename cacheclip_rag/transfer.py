@@ -140,6 +140,11 @@ def align(source_offsets: Sequence[tuple[int, int]], target_offsets: Sequence[tu
     return index.clamp(0, len(source_offsets) - 1)
 
 
+def stacked(features: torch.Tensor, chosen: Sequence[int]) -> torch.Tensor:
+    """The chosen layers' features [L, T, F] side by side: [T, len(chosen)*F]."""
+    return torch.cat([features[s] for s in chosen], dim=-1)
+
+
 def _with_bias(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], dim=-1)
 
@@ -275,10 +280,6 @@ class Mapper:
         """Source features [Ls, T, F_src] (keys RoPE-stripped) -> target features [Lt, T, F_tgt]."""
         return self._apply(keys, self.key_weights, self.key_mlps), self._apply(values, self.value_weights, self.value_mlps)
 
-    def inputs(self, features: torch.Tensor, layer: int) -> torch.Tensor:
-        """The chosen source layers' features of target `layer`, side by side: [T, k*F_src]."""
-        return torch.cat([features[s] for s in self.layers[layer]], dim=-1)
-
     def _apply(self, features: torch.Tensor, weights: list[torch.Tensor], mlps: list[dict]) -> torch.Tensor:
         # X @ W with X = [f_s1 | f_s2 | ... | 1] is b + sum_j f_sj @ W_j: no concatenated copy of X
         layers, tokens, width = len(self.layers), features.shape[1], weights[0].shape[1]
@@ -289,7 +290,7 @@ class Mapper:
             for j, s in enumerate(chosen):
                 out[t].addmm_(features[s], w[j * src : (j + 1) * src])
             if mlps:
-                out[t] += apply_mlp(mlps[t], self.inputs(features, t))
+                out[t] += apply_mlp(mlps[t], stacked(features, chosen))
         return out
 
     def save(self, path: str | Path) -> None:
@@ -358,8 +359,8 @@ def calibrate(source: LoadedModel, target: LoadedModel, texts: Sequence[str], co
             kept.append((s.keys[:, index], s.values[:, index], t.keys, t.values))
             kept_rows += len(index)
         for layer, chosen in enumerate(layers):
-            acc_k[layer].add(_with_bias(torch.cat([s.keys[c][index] for c in chosen], -1)), t.keys[layer])
-            acc_v[layer].add(_with_bias(torch.cat([s.values[c][index] for c in chosen], -1)), t.values[layer])
+            acc_k[layer].add(_with_bias(stacked(s.keys, chosen)[index]), t.keys[layer])
+            acc_v[layer].add(_with_bias(stacked(s.values, chosen)[index]), t.values[layer])
 
     for s, t, index in selection:
         accumulate(s, t, index)
@@ -373,9 +374,9 @@ def calibrate(source: LoadedModel, target: LoadedModel, texts: Sequence[str], co
         sk, sv, tk, tv = (torch.cat(parts, dim=1) for parts in zip(*kept))
         linear_k, linear_v = mapper.map(sk, sv)
         for layer in range(len(layers)):  # each MLP learns what the ridge map leaves
-            mapper.key_mlps.append(fit_mlp(mapper.inputs(sk, layer), tk[layer] - linear_k[layer], config.mlp_hidden,
+            mapper.key_mlps.append(fit_mlp(stacked(sk, layers[layer]), tk[layer] - linear_k[layer], config.mlp_hidden,
                                            config.mlp_steps, seed=layer))
-            mapper.value_mlps.append(fit_mlp(mapper.inputs(sv, layer), tv[layer] - linear_v[layer], config.mlp_hidden,
+            mapper.value_mlps.append(fit_mlp(stacked(sv, layers[layer]), tv[layer] - linear_v[layer], config.mlp_hidden,
                                              config.mlp_steps, seed=1000 + layer))
     held_out = [pair(t) for t in valid_texts]
     bar.close()

@@ -27,13 +27,3 @@ def answer_metadata(answer: Answer, options: RequestOptions) -> dict:
         "method": options.method, "ratio": options.ratio, "prompt_tokens": answer.prompt_tokens,
         "recomputed_tokens": answer.recomputed_tokens, "timings": answer.timings.as_dict(),
     }
-
-
-def require(module: str, extra: str):
-    """Import a framework module or say which extra installs it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ImportError(f"{module} is missing: pip install 'cacheclip-rag[{extra}]'") from err

@@ -6,7 +6,6 @@ a real error (wrong position, stale row, wrong mask) moves them by >1e-2.
 """
 
 import pytest
-import torch
 
 from cacheclip_rag.config import RequestOptions
 from tests.conftest import CHUNKS, QUESTION, max_diff

@@ -35,7 +35,7 @@ def test_rotation_uses_each_layer_types_base():
     lm = tiny_model("gemma3")
     keys = torch.randn(4, 2, 5, 16)
     moved = rotate_keys(lm.model, keys, 50)
-    local, glob = moved[0], moved[2]
+    local = moved[0]
     same_input = keys.clone()
     same_input[2] = keys[0]
     moved2 = rotate_keys(lm.model, same_input, 50)

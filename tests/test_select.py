@@ -1,6 +1,5 @@
 import copy
 
-import pytest
 import torch
 
 from cacheclip_rag.ingest import SHARED, chunk_unit

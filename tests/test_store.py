@@ -1,4 +1,3 @@
-import lmdb
 import pytest
 import torch
 
