@@ -8,11 +8,26 @@ the selected chunk tokens plus the question, it is CacheClip's layer-wise select
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import PreTrainedModel
 
 from .attention import AttentionProbe, ForwardContext, SelectedRowsKernel, forward_context, position_masks
 from .cache import BlendedCache
+
+
+@functools.cache
+def cache_argument(forward_owner: type) -> str:
+    """The name a model class's forward takes its cache under: transformers 5.24 renamed
+    `past_key_values` to `cache`, and the older name is silently dropped by releases that only know the
+    new one (and vice versa), so it is read from the signature, never guessed."""
+    parameters = inspect.signature(forward_owner.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(f"{forward_owner.__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
 @torch.inference_mode()
@@ -43,12 +58,14 @@ def forward_at(
     context = ForwardContext(query_positions=positions, kernel=kernel, probes=probes or {})
     with forward_context(context):
         if base_model_only:
-            return model.model(
-                input_ids=input_ids, position_ids=positions, cache=cache, attention_mask=mask, use_cache=True
+            base = model.model
+            return base(
+                input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                **{cache_argument(type(base)): cache},
             ).last_hidden_state
         out = model(
-            input_ids=input_ids, position_ids=positions, cache=cache, attention_mask=mask,
-            use_cache=True, logits_to_keep=logits_to_keep,
+            input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+            logits_to_keep=logits_to_keep, **{cache_argument(type(model)): cache},
         )
     return out.logits
 

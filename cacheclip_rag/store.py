@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 import lmdb
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def encode_entry(fingerprint: str, entry: ChunkEntry) -> bytes:
     dtype = str(keys.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported cache dtype {keys.dtype}")
-    payload = keys.view(-1).view(torch.uint8).numpy().tobytes() + values.view(-1).view(torch.uint8).numpy().tobytes()
+    payload = _raw_bytes(keys) + _raw_bytes(values)
     header = {
         "version": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -104,6 +105,36 @@ def encode_entry(fingerprint: str, entry: ChunkEntry) -> bytes:
     header["checksum"] = _checksum(header, payload)
     head = json.dumps(header).encode()
     return _HEADER_LEN.pack(len(head)) + head + payload
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes in row-major order. numpy does the gather and copy: a torch op here could
+    enter OpenMP's pool, which hangs forever in a child forked after the parent started it."""
+    as_int = tensor.view(_INT_OF_SIZE[tensor.element_size()])  # numpy has no bfloat16; bytes are bytes
+    return as_int.numpy().tobytes()
+
+
+def _tensor_from_bytes(raw: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device | str) -> torch.Tensor:
+    """Copy `raw` (a zero-copy LMDB view, valid only inside its transaction) into a new tensor.
+
+    On the CPU the copy is numpy's single-threaded memcpy, never a torch op: torch's parallel copy
+    uses OpenMP, whose pool hangs forever in a process forked after the parent used it (libgomp is
+    not fork-safe), so a forked reader would block on its first large entry. The copy is
+    memory-bound, so one thread loses little. Other devices take torch's host-to-device copy, which
+    does not use the CPU pool."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    flat = out.view(-1).view(torch.uint8)
+    if flat.numel() != len(raw):
+        raise CorruptEntryError(f"corrupted entry: {len(raw)} payload bytes for shape {list(shape)} {dtype}")
+    if out.device.type == "cpu":
+        np.copyto(flat.numpy(), np.frombuffer(raw, dtype=np.uint8))
+    else:
+        flat.copy_(torch.frombuffer(raw, dtype=torch.uint8))
+    return out
 
 
 def _split(raw: memoryview | bytes) -> tuple[dict, memoryview]:
@@ -135,11 +166,8 @@ def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device
     dtype = _DTYPES[header["dtype"]]
     shape = tuple(header["shape"])
     half = len(payload) // 2
-    flat = torch.frombuffer(payload, dtype=torch.uint8)  # zero-copy view of the LMDB page
-    keys = torch.empty(shape, dtype=dtype, device=device)
-    values = torch.empty(shape, dtype=dtype, device=device)
-    keys.view(-1).view(torch.uint8).copy_(flat[:half])
-    values.view(-1).view(torch.uint8).copy_(flat[half:])
+    keys = _tensor_from_bytes(payload[:half], shape, dtype, device)
+    values = _tensor_from_bytes(payload[half:], shape, dtype, device)
     return ChunkEntry(
         keys=keys,
         values=values,
@@ -166,7 +194,10 @@ class LMDBStore:
       writer killed at any moment leaves only whole, checksummed entries.
     - Processes: each process opens its own environment; a store object carried across `fork` reopens
       itself in the child. Readers and writers in several processes may share one directory; LMDB
-      serialises writers.
+      serialises writers. Reads and writes copy bytes with numpy, never with a parallel torch op, so
+      they work in a child forked after the parent used torch's OpenMP pool (which would hang there).
+      Torch work of your own in such a child still can: use the `spawn` start method, or call
+      `torch.set_num_threads(1)` first in the child, as torch's DataLoader workers do.
     - Growth: the map doubles when a write finds it full, up to `max_bytes`; past it (or on a full
       disk) `StoreFullError` is raised and nothing stored is touched. Other processes adopt a grown map.
     - Integrity: an entry whose checksum or header fails is moved to a quarantine table, logged, and

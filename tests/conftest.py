@@ -1,4 +1,8 @@
+import contextlib
+import multiprocessing
 import os
+import time
+from queue import Empty
 
 import torch
 
@@ -45,3 +49,35 @@ def make_engine(tmp_path):
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+@contextlib.contextmanager
+def forked(target, args: tuple, count: int = 1):
+    """Run `target(*args, queue)` in `count` forked daemon children; yields `collect(timeout)`, which
+    returns one message per child or fails the test if a child has not answered by then. Children
+    still alive on the way out (hung, or the test failed) are killed, so a hang is one failing test,
+    never a suite that does not finish."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    children = [ctx.Process(target=target, args=(*args, queue), daemon=True) for _ in range(count)]
+    for child in children:
+        child.start()
+
+    def collect(timeout: float) -> list:
+        deadline, messages = time.monotonic() + timeout, []
+        for _ in children:
+            try:
+                messages.append(queue.get(timeout=max(0.0, deadline - time.monotonic())))
+            except Empty:
+                pytest.fail(f"{count - len(messages)} of {count} forked children did not answer in {timeout} s (hung)")
+        return messages
+
+    try:
+        yield collect
+    finally:
+        for child in children:
+            child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=5)
+        queue.close()

@@ -4,6 +4,7 @@ Crash and concurrency checks run real processes (`tests/stress/workers.py`) on a
 directory. The 50-kill run is `bench/stress_store.py`; here a shorter one keeps the suite quick.
 """
 
+import hashlib
 import multiprocessing
 import os
 import random
@@ -14,14 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.ingest import SHARED, precompute
-from cacheclip_rag.store import LMDBStore, StoreError, StoreFullError, decode_entry, entry_key
+from cacheclip_rag.store import ChunkEntry, LMDBStore, StoreError, StoreFullError, decode_entry, entry_key
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import max_diff
+from tests.conftest import forked, max_diff
 from tests.stress.workers import FINGERPRINT, check_entry, read_all, synthetic_entry, synthetic_key, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,26 +107,52 @@ def _reader_in_fork(store: LMDBStore, stop: int, seconds: float, out) -> None:
         out.put(("error", repr(err)))
 
 
+def _start_openmp_pool() -> None:
+    """Large enough that torch runs it on its OpenMP pool (the pool a forked child inherits broken)."""
+    a = torch.randn(2048, 2048)
+    (a @ a).clone()
+
+
 def test_forked_readers_see_only_committed_entries_while_a_writer_grows_the_map(tmp_path):
     stop = 600
     store = LMDBStore(tmp_path, map_size=1 << 20)  # 1 MiB: the writer must grow it many times
     write(store, 0, 10)
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    readers = [ctx.Process(target=_reader_in_fork, args=(store, stop, 6.0, out)) for _ in range(3)]
-    for r in readers:
-        r.start()
-    writer = worker("writer", str(tmp_path), "0", str(stop), "5")
-    assert writer.wait(timeout=120) == 0, writer.stderr.read()
-    results = [out.get(timeout=60) for _ in readers]
-    for r in readers:
-        r.join(timeout=30)
+    _start_openmp_pool()
+    with forked(_reader_in_fork, (store, stop, 6.0), count=3) as collect:
+        writer = worker("writer", str(tmp_path), "0", str(stop), "5")
+        try:
+            assert writer.wait(timeout=300) == 0, writer.stderr.read()
+        finally:
+            writer.kill()
+        results = collect(timeout=120)
     assert all(kind == "ok" for kind, _ in results), results
     for _, counts in results:
         assert counts == sorted(counts) and counts[0] >= 10  # never a committed entry lost
     assert read_all(store, stop) == stop
     assert store.env.info()["map_size"] > 1 << 20
     store.close()
+
+
+def _digest_in_fork(store: LMDBStore, key: bytes, out) -> None:
+    entry = store.get(key, FINGERPRINT)
+    out.put(hashlib.sha256(entry.keys.numpy().tobytes() + entry.values.numpy().tobytes()).hexdigest())
+
+
+def test_forked_child_reads_a_large_entry_after_the_parent_used_torch_threads(tmp_path):
+    """The recipe that hung every time: a large entry, the parent's OpenMP pool started, then fork.
+    A child copying with a parallel torch op blocks forever on the dead pool; the store's numpy copy
+    does not."""
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(8, 4, 4096, 64, generator=g), torch.randn(8, 4, 4096, 64, generator=g)
+    entry = ChunkEntry(keys=keys, values=values, token_ids=tuple(range(4096)),
+                       offsets=tuple((i, i + 1) for i in range(4096)))
+    key = synthetic_key(10**6)
+    with LMDBStore(tmp_path) as store:
+        store.put(key, FINGERPRINT, entry)
+        _start_openmp_pool()
+        with forked(_digest_in_fork, (store, key), count=2) as collect:
+            digests = collect(timeout=120)
+    assert digests == [hashlib.sha256(keys.numpy().tobytes() + values.numpy().tobytes()).hexdigest()] * 2
 
 
 def test_two_writers_at_once_are_serialised_without_loss(tmp_path):
@@ -178,9 +206,11 @@ def _fill_small_filesystem(path: str) -> None:
 
 
 def test_full_disk_gives_a_clear_error_and_loses_nothing(tmp_path):
-    proc = multiprocessing.get_context("fork").Process(target=_fill_small_filesystem, args=(str(tmp_path),))
+    proc = multiprocessing.get_context("fork").Process(target=_fill_small_filesystem, args=(str(tmp_path),), daemon=True)
     proc.start()
-    proc.join(timeout=120)
+    proc.join(timeout=300)
+    if proc.is_alive():
+        proc.kill()
     assert proc.exitcode == 3  # StoreFullError, not a crash
     stored = committed(tmp_path, 5000)
     assert len(stored) > 10 and stored == list(range(len(stored)))
