@@ -6,11 +6,19 @@ Prints one table; speedups are against `full` at the same length, measured in th
 
     python bench/bench_gpu_e2e.py                      # GPU: the real shapes, bf16
     python bench/bench_gpu_e2e.py --tiny --device cpu  # the same code path on tiny models (a smoke run)
+
+`--tier host` reads chunk caches from the store on every request (LMDB pages in the OS cache, copied
+to the GPU: the issue's "KV from the host tier"); `--tier device` keeps them GPU-resident. Stage
+times are synchronised (`sync_timings`), so load/select/recompute are each stage's own GPU time.
+`--json PATH` writes one object per row: context, ratio, method, ttft_s, load_s, select_s,
+recompute_s, speedup_vs_full, tier, date.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import random
 import statistics
 import tempfile
@@ -64,6 +72,7 @@ def sync(device: str) -> None:
 
 
 def run(engine: Engine, question: str, chunks: list[str], options: RequestOptions, repeats: int) -> dict:
+    """The median-TTFT run of `repeats`, with its stage breakdown."""
     answers = []
     for _ in range(repeats):
         sync(engine.config.device)
@@ -82,6 +91,9 @@ def main() -> int:
     p.add_argument("--chunk-tokens", type=int, default=None)
     p.add_argument("--ratios", default="0.1,0.2,0.3")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tier", choices=("host", "device"), default="host")
+    p.add_argument("--aux", choices=("cpu", "gpu", "both"), default="both")
+    p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
     chunk_tokens = args.chunk_tokens or (64 if args.tiny else 1024)
     lengths = [int(x) for x in (args.lengths or ("256,512" if args.tiny else "4096,8192,16384")).split(",")]
@@ -98,25 +110,26 @@ def main() -> int:
     path = tempfile.mkdtemp(prefix="cacheclip-gpu-e2e-")
     store = LMDBStore(path, map_size=64 << 30)
     config = EngineConfig(store_path=path, device=args.device, system_prompt="You answer from the documents.")
-    tier = DeviceTier(store, args.device, 40 << 30) if args.device.startswith("cuda") else store
+    tier = DeviceTier(store, args.device, 40 << 30) if args.device.startswith("cuda") and args.tier == "device" else store
     kernel = default_kernel(primary)
     engines = {
         "cpu": Engine(primary=primary, store=tier, config=config, aux=aux_cpu, kernel=kernel),
         "gpu": Engine(primary=primary, store=tier, config=config, aux=aux_gpu, kernel=kernel),
     }
+    auxes = ("cpu", "gpu") if args.aux == "both" else (args.aux,)
     question = "Which harbour master repaired the northern pier before the autumn storms arrived?"
     rows = []
     for length in lengths:
         chunks = chunk_texts(tokenizer, max(1, length // chunk_tokens), chunk_tokens, seed=length)
-        for engine in engines.values():
-            engine.ingest(chunks, progress=False)
+        for aux in auxes:
+            engines[aux].ingest(chunks, progress=False, direct=False)
         cases = [("full", 0.0, "gpu"), ("shared_prefix", 0.0, "gpu")]
-        cases += [(m, r, a) for r in ratios for m, a in (("cacheblend", "gpu"), ("cacheclip", "cpu"), ("cacheclip", "gpu"))]
+        cases += [(m, r, a) for r in ratios for m, a in (("cacheblend", "gpu"), *(("cacheclip", a) for a in auxes))]
         for method, ratio, aux in cases:  # warm-up (kernels compiled, tier filled)
             engines[aux].generate(question, chunks, RequestOptions(method=method, ratio=ratio, max_new_tokens=1))
         results = {}
         for method, ratio, aux in cases:
-            options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1)
+            options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1, sync_timings=True)
             results[(method, ratio, aux)] = run(engines[aux], question, chunks, options, args.repeats)
         full = results[("full", 0.0, "gpu")]["ttft"]
         for (method, ratio, aux), r in results.items():
@@ -129,6 +142,14 @@ def main() -> int:
     for length, label, ratio, r, speedup in rows:
         print(f"| {length} | {label} | {ratio:g} | {r['recomputed']:.2f} | {1e3 * r['ttft']:.1f} | {speedup:.2f}× | "
               f"{1e3 * r['load']:.1f} | {1e3 * r['select']:.1f} | {1e3 * r['recompute']:.1f} |")
+    if args.json:
+        today = datetime.date.today().isoformat()
+        records = [{"context": length, "ratio": ratio, "method": label, "ttft_s": r["ttft"], "load_s": r["load"],
+                    "select_s": r["select"], "recompute_s": r["recompute"], "recomputed": r["recomputed"],
+                    "speedup_vs_full": speedup, "tier": args.tier, "date": today}
+                   for length, label, ratio, r, speedup in rows]
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
     print("\nmedian TTFT over lengths: " + ", ".join(
         f"{label}@{ratio:g}: {statistics.median(s for _, l, rr, _, s in rows if l == label and rr == ratio):.2f}×"
         for label, ratio in dict.fromkeys((l, rr) for _, l, rr, _, _ in rows)))

@@ -5,11 +5,17 @@ the context selected in runs of 8 plus a 64-token question.
 Useful FLOPs are counted from the causal pairs: a query at position p sees p + 1 keys, and each
 pair costs 4·D FLOPs per head (2·D for QK^T, 2·D for PV).
 Usage (GPU machine): python bench/bench_kernel.py [--contexts 4096 8192 16384] [--ratios 0.1 0.2 0.3]
+                                                  [--json bench/results/kernel_h200.json]
+The JSON holds one object per (context, ratio): dense_tflops, flex_tflops, masked_tflops,
+kernel_tflops (tuned tiles), kernel_64x64_tflops, question_only_tflops, context, ratio, rows, date.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +56,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3])
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="write the numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernel needs CUDA")
@@ -64,6 +71,7 @@ def main() -> None:
     dev, dt = "cuda", torch.bfloat16
     scale = DIM**-0.5
     print(f"device={torch.cuda.get_device_name()} torch={torch.__version__} GQA {HEADS}/{KV_HEADS} d={DIM} bf16")
+    cases = []
     print("| context | selected | rows | path | ms | TFLOP/s (useful) | vs dense SDPA TFLOP/s | max err vs ref |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in args.contexts:
@@ -81,26 +89,48 @@ def main() -> None:
             flops = useful_flops(pos)
             ref = selected_attention_reference(q.float(), k.float(), v.float(), pos[None], scale)
 
-            def report(name: str, ms: float, out: torch.Tensor | None) -> None:
-                tf = flops / ms / 1e9
-                err = "-" if out is None else f"{(out.float() - ref).abs().max().item():.1e}"
-                print(f"| {n} | {ratio:.0%} | {rows} | {name} | {ms:.3f} | {tf:.0f} | {tf / dense_tf:.2f} | {err} |")
+            case = {"context": n, "ratio": ratio, "rows": rows, "dense_tflops": dense_tf,
+                    "date": datetime.date.today().isoformat()}
 
-            out = selected_attention(q, k, v, pos[None], scale)
-            report("Triton selected rows (ours)", time_ms(lambda: selected_attention(q, k, v, pos[None], scale)), out)
+            def report(name: str, ms: float, out: torch.Tensor | None, field: str | None = None,
+                       work: float = flops, reference: torch.Tensor = ref) -> None:
+                tf = work / ms / 1e9
+                err = "-" if out is None else f"{(out.float() - reference).abs().max().item():.1e}"
+                print(f"| {n} | {ratio:.0%} | {rows} | {name} | {ms:.3f} | {tf:.0f} | {tf / dense_tf:.2f} | {err} |",
+                      flush=True)
+                if field:
+                    case[field] = tf
+
+            pos32 = pos[None].to(torch.int32)
+            run_tuned = lambda: selected_attention(q, k, v, pos32, scale, validate=False)  # noqa: E731
+            report("Triton selected rows (ours, tuned tiles)", time_ms(run_tuned), run_tuned(), "kernel_tflops")
+            run_64 = lambda: selected_attention(q, k, v, pos32, scale, block_m=64, block_n=64, validate=False)  # noqa: E731
+            report("Triton selected rows (64x64 tiles)", time_ms(run_64), run_64(), "kernel_64x64_tflops")
+            question = pos[-QUESTION:]
+            q_question = q[:, :, -QUESTION:]
+            run_question = lambda: selected_attention(q_question, k, v, question[None].to(torch.int32), scale,  # noqa: E731
+                                                      validate=False)
+            report(f"Triton, question only ({QUESTION} rows, split keys)", time_ms(run_question), run_question(),
+                   "question_only_tflops", useful_flops(question), ref[:, -QUESTION:])
             mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
             masked = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
-            report("SDPA, boolean mask", time_ms(masked), masked().transpose(1, 2))
+            report("SDPA, boolean mask", time_ms(masked), masked().transpose(1, 2), "masked_tflops")
             if flex is not None:
                 def mask_mod(b, h, q_idx, kv_idx):
                     return kv_idx <= pos[q_idx]
 
                 block = create_block_mask(mask_mod, 1, 1, rows, n, device=dev)
                 run = lambda: flex(q, k, v, block_mask=block, enable_gqa=True, scale=scale)  # noqa: E731
-                report("FlexAttention, compiled", time_ms(run), run().transpose(1, 2))
+                report("FlexAttention, compiled", time_ms(run), run().transpose(1, 2), "flex_tflops")
                 report("FlexAttention + block mask build", time_ms(
                     lambda: flex(q, k, v, block_mask=create_block_mask(mask_mod, 1, 1, rows, n, device=dev),
                                  enable_gqa=True, scale=scale), warmup=2, iters=5), None)
+            cases.append(case)
+            print(f"kernel / dense SDPA TFLOP/s at {n}, {ratio:.0%}: {case['kernel_tflops'] / dense_tf:.2f} "
+                  f"(target >= 0.80)", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(cases, indent=1))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ from .models import layer_types, text_config
 
 ATTENTION_NAME = "cacheclip"
 
-# A kernel for scattered query rows on CUDA: (module, query, key, value, query_positions, scaling,
-# softcap, sliding_window) -> output [B, T, H, D]; the engine sets it on CUDA when Triton is present.
+# A kernel for scattered query rows on CUDA: (query, key, value, query_positions, scaling=, softcap=,
+# sliding_window=, validate=) -> output [B, T, H, D], with query_positions int32 and checked once per
+# forward (validate=False); the engine sets it on CUDA when Triton is present.
 SelectedRowsKernel = Callable[..., torch.Tensor]
 
 
@@ -87,8 +88,17 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def cacheclip_mask(*args, **kwargs):
+    """transformers' sdpa mask, except under a kernel that masks by position itself: then no mask is
+    built at all (a [Tq, N] mask at 16K tokens is hundreds of MB that nothing would read)."""
+    context: ForwardContext | None = getattr(_active, "context", None)
+    if context is not None and context.kernel is not None and not context.probes:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, cacheclip_attention)
-AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, cacheclip_mask)
 
 
 def use_cacheclip_attention(model: PreTrainedModel) -> None:

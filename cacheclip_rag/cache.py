@@ -53,20 +53,22 @@ class BlendedCache(Cache):
     rows [0, max(positions)] under the mask built from the same positions.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    def __init__(self, keys: list[torch.Tensor] | torch.Tensor, values: list[torch.Tensor] | torch.Tensor):
         super().__init__(layers=[PositionedLayer(k, v, self) for k, v in zip(keys, values)])
         self.write_positions = torch.zeros(0, dtype=torch.long, device=keys[0].device)
         self.visible_length = 0
+        # one [L, B, KV, N, D] buffer behind all layers (when built that way): a chunk's rows are placed
+        # in every layer with one copy instead of one per layer
+        self.key_buffer = keys if isinstance(keys, torch.Tensor) else None
+        self.value_buffer = values if isinstance(values, torch.Tensor) else None
 
     @classmethod
     def empty(
         cls, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str,
     ) -> BlendedCache:
-        shape = (batch, kv_heads, length, head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        return cls(keys, values)
+        shape = (layers, batch, kv_heads, length, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     @property
     def capacity(self) -> int:
@@ -85,6 +87,13 @@ class BlendedCache(Cache):
     def place(self, position: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Copy precomputed rows in at `position`: keys, values [L, KV, T, D] (batch 0)."""
         t = keys.shape[2]
+        if keys.shape[0] != len(self.layers) or values.shape != keys.shape:
+            raise ValueError(f"rows for {keys.shape[0]} layers (values {tuple(values.shape)}) placed into a "
+                             f"{len(self.layers)}-layer cache")
+        if self.key_buffer is not None:
+            self.key_buffer[:, 0, :, position:position + t].copy_(keys)
+            self.value_buffer[:, 0, :, position:position + t].copy_(values)
+            return
         for layer, k, v in zip(self.layers, keys, values):
             layer.keys[0, :, position:position + t].copy_(k)
             layer.values[0, :, position:position + t].copy_(v)

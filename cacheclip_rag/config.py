@@ -63,6 +63,7 @@ class RequestOptions:
     answer_prefix: str = ""
     grouping: bool = True
     shared_prefix: bool = True
+    sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -8,8 +8,10 @@ methods share the same cache, mask and decode code, so their outputs are directl
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -135,9 +137,15 @@ class Engine:
     store: LMDBStore | DeviceTier
     config: EngineConfig = field(default_factory=EngineConfig)
     aux: LoadedModel | None = None
-    kernel: SelectedRowsKernel | None = None
+    # "auto": the Triton selected-rows kernel on CUDA (a warning if Triton is missing), SDPA elsewhere;
+    # None: always SDPA with position masks
+    kernel: SelectedRowsKernel | None | str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kernel == "auto":
+            self.kernel = default_kernel(self.primary)
+        elif isinstance(self.kernel, str):
+            raise ValueError(f"kernel must be 'auto', None or a callable, got {self.kernel!r}")
         use_cacheclip_attention(self.primary.model)
         if self.aux is not None:
             use_cacheclip_attention(self.aux.model)
@@ -153,7 +161,7 @@ class Engine:
         store: LMDBStore | DeviceTier = LMDBStore(config.store_path)
         if config.device_cache_bytes:
             store = DeviceTier(store, primary.device, config.device_cache_bytes)
-        return cls(primary=primary, store=store, config=config, aux=aux, kernel=default_kernel(primary))
+        return cls(primary=primary, store=store, config=config, aux=aux)
 
     # ---- ingest ------------------------------------------------------------------------------
 
@@ -286,7 +294,8 @@ class Engine:
             raise ValueError("method 'cacheclip' needs an aux model; set EngineConfig.aux")
         prefix, entries = self.entries(aux, plan.texts, SHARED)
         question_ids = aux.encode(aux.prompt.question(plan.question, options.answer_prefix))
-        scores = aux_scores(aux, prefix, entries, question_ids)
+        with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
+            scores = aux_scores(aux, prefix, entries, question_ids)
         candidates = top_k_candidates(scores, options.ratio)
         selected = []
         for text, entry, cand, spans in zip(plan.texts, entries, candidates, plan.char_spans):
@@ -305,7 +314,34 @@ def default_kernel(lm: LoadedModel) -> SelectedRowsKernel | None:
         return None
     from .kernels import selected_attention as module
 
-    return module.selected_attention if module.triton is not None else None
+    if module.triton is None:
+        warnings.warn("Triton is not installed: selective recompute on CUDA falls back to SDPA with dense "
+                      "position masks, several times slower at long contexts; pip install 'cacheclip-rag[triton]'",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return module.selected_attention
+
+
+@contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """Run the block on a CUDA stream of its own (finished before leaving), so it overlaps work queued
+    on the default stream by another thread; a no-op elsewhere."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def _now(engine: Engine, options: RequestOptions) -> float:
+    """perf_counter, after the primary's queued GPU work when the request asks for synced timings (GPU
+    work is asynchronous: otherwise a stage's kernels are billed to the later stage that waits for them)."""
+    if options.sync_timings and engine.primary.device.type == "cuda":
+        torch.cuda.synchronize(engine.primary.device)
+    return time.perf_counter()
 
 
 def _timed_first(tokens: Iterator[int], started: Callable[[], float], timings: Timings) -> Iterator[int]:
@@ -320,21 +356,21 @@ def _timed_first(tokens: Iterator[int], started: Callable[[], float], timings: T
 
 def _prefill_full(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
     timings = Timings()
-    t0 = time.perf_counter()
+    t0 = _now(engine, options)
     cache = new_cache(engine.primary, plan.length + options.max_new_tokens)
     ids = torch.tensor([plan.all_ids()])
     logits = forward_at(engine.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
-    timings.recompute_s = time.perf_counter() - t0
+    timings.recompute_s = _now(engine, options) - t0
     return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), timings)
 
 
 def _reuse(engine: Engine, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
     timings = Timings()
-    t0 = time.perf_counter()
+    t0 = _now(engine, options)
     cache = engine.blended_cache(plan, options, shared)
-    t1 = time.perf_counter()
+    t1 = _now(engine, options)
     logits = engine.recompute_and_answer(cache, plan, torch.zeros(0, dtype=torch.long))
-    timings.load_s, timings.recompute_s = t1 - t0, time.perf_counter() - t1
+    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
     return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings)
 
 
@@ -349,49 +385,49 @@ def _prefill_shared_prefix(engine: Engine, plan: Plan, options: RequestOptions) 
 def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
     """Aux selection runs in a thread while the primary's caches load; then recompute."""
     timings = Timings()
-    t0 = time.perf_counter()
+    t0 = _now(engine, options)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        selecting = pool.submit(_timed, engine.aux_selection, plan, options)
+        selecting = pool.submit(_timed, engine.aux_selection, plan, options)  # syncs its own stream
         cache = engine.blended_cache(plan, options, options.shared_prefix)
-        timings.load_s = time.perf_counter() - t0
+        timings.load_s = _now(engine, options) - t0
         selected, timings.select_s = selecting.result()
     positions = engine.positions_of(plan, selected)
-    t1 = time.perf_counter()
+    t1 = _now(engine, options)
     logits = engine.recompute_and_answer(cache, plan, positions)
-    timings.recompute_s = time.perf_counter() - t1
+    timings.recompute_s = _now(engine, options) - t1
     return Prefill(cache, logits, positions, timings)
 
 
 def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
     timings = Timings()
-    t0 = time.perf_counter()
+    t0 = _now(engine, options)
     cache = engine.blended_cache(plan, options, options.shared_prefix)
-    t1 = time.perf_counter()
+    t1 = _now(engine, options)
     chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
-    deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len)
+    deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len, kernel=engine.kernel)
     lengths = [len(c) for c in plan.chunk_ids]
     candidates = top_k_candidates(list(deviation.split(lengths)), options.ratio)
-    t2 = time.perf_counter()
+    t2 = _now(engine, options)
     positions = engine.positions_of(plan, candidates)
     logits = engine.recompute_and_answer(cache, plan, positions)
-    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
     return Prefill(cache, logits, positions, timings)
 
 
 def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
     timings = Timings()
-    t0 = time.perf_counter()
+    t0 = _now(engine, options)
     scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
     lengths = [len(c) for c in plan.chunk_ids]
     candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
     if options.grouping:
         candidates = [group(c, engine.config.window, engine.config.threshold) for c in candidates]
-    t1 = time.perf_counter()
+    t1 = _now(engine, options)
     cache = engine.blended_cache(plan, options, options.shared_prefix)
-    t2 = time.perf_counter()
+    t2 = _now(engine, options)
     positions = engine.positions_of(plan, candidates)
     logits = engine.recompute_and_answer(cache, plan, positions)
-    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
     return Prefill(cache, logits, positions, timings)
 
 

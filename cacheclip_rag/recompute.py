@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .attention import AttentionProbe, ForwardContext, SelectedRowsKernel, forward_context, position_masks
+from .kernels.selected_attention import check_positions
 from .cache import BlendedCache
 
 
@@ -53,9 +54,16 @@ def forward_at(
     device = cache.layers[0].keys.device
     input_ids, positions = input_ids.to(device), positions.to(device)
     cache.write_at(positions[0] if slots is None else slots.to(device))
-    if mask is None:
+    query_positions = positions
+    if kernel is not None and not probes:
+        # the kernel masks by position: no mask is built (see attention.cacheclip_mask); its int32
+        # positions are converted and checked once here, not in every layer
+        query_positions = positions.to(torch.int32)
+        check_positions(query_positions, cache.visible_length)
+        kernel = functools.partial(kernel, validate=False)
+    elif mask is None:
         mask = position_masks(model, positions, cache.visible_length, cache.layers[0].keys.dtype)
-    context = ForwardContext(query_positions=positions, kernel=kernel, probes=probes or {})
+    context = ForwardContext(query_positions=query_positions, kernel=kernel, probes=probes or {})
     with forward_context(context):
         if base_model_only:
             base = model.model

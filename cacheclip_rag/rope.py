@@ -47,23 +47,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotate_keys(model: PreTrainedModel, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
     """Keys [L, KV, T, D] cached at positions p, returned at positions p + delta.
 
-    `delta` is one int or a tensor [T]. Works in float32 and returns the input dtype; only the first
-    R dims rotate when the model uses partial rotary embeddings.
+    `delta` is one int or a tensor [T]. All layers of one RoPE type rotate in one batched op (a
+    handful of launches per chunk, not several per layer), in float32, returning the input dtype;
+    only the first R dims rotate when the model uses partial rotary embeddings.
     """
     num_tokens = keys.shape[2]
     if isinstance(delta, int):
         if delta == 0:
             return keys
         delta = torch.full((num_tokens,), delta, dtype=torch.long, device=keys.device)
-    out = torch.empty_like(keys)
-    cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for layer, kind in enumerate(layer_types(model)):
-        if kind not in cache:
-            cache[kind] = rotation(model, kind, delta.to(keys.device), torch.float32)
-        cos, sin = cache[kind]  # [T, R]
+    kinds = layer_types(model)
+    if len(kinds) != keys.shape[0]:
+        raise ValueError(f"keys for {keys.shape[0]} layers given to a model of {len(kinds)} layers")
+    out = keys.clone()  # the unrotated tail dims (partial rotary) come along
+    for kind in dict.fromkeys(kinds):
+        cos, sin = rotation(model, kind, delta.to(keys.device), torch.float32)  # [T, R]
         r = cos.shape[-1]
-        k = keys[layer].float()  # [KV, T, D]
-        rotated = k[..., :r] * cos + _rotate_half(k[..., :r]) * sin
-        out[layer, ..., :r] = rotated.to(keys.dtype)
-        out[layer, ..., r:] = keys[layer, ..., r:]
+        index = [layer for layer, k in enumerate(kinds) if k == kind]
+        chosen = slice(index[0], index[-1] + 1) if index == list(range(index[0], index[-1] + 1)) else index
+        k = keys[chosen, ..., :r].float()  # [Lk, KV, T, R]
+        out[chosen, ..., :r] = (k * cos + _rotate_half(k) * sin).to(keys.dtype)
     return out

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention import AttentionProbe
+from .attention import AttentionProbe, SelectedRowsKernel
 from .cache import BlendedCache
 from .ingest import PrefixCache, new_cache
 from .models import LoadedModel, layer_types
@@ -92,12 +92,13 @@ def aux_scores(
 
 
 def value_deviation_scores(
-    lm: LoadedModel, cache: BlendedCache, chunk_ids: torch.Tensor, start: int
+    lm: LoadedModel, cache: BlendedCache, chunk_ids: torch.Tensor, start: int, kernel: SelectedRowsKernel | None = None
 ) -> torch.Tensor:
     """CacheBlend: recompute layers 0 and 1 for every chunk token (rows start..start+T-1).
 
     Layer 0 keeps the recomputed K/V (CacheBlend recomputes the first layer in full); layer 1 is
-    restored after its values are compared, so only selected tokens update it later.
+    restored after its values are compared, so only selected tokens update it later. With `kernel`
+    (CUDA) the pass attends by position with no mask; without, a [T, start+T] position mask is built.
     Returns the deviation [T] = ||V1_recomputed - V1_cached|| summed over kv heads.
     """
     if lm.config.num_hidden_layers < 2:
@@ -109,7 +110,7 @@ def value_deviation_scores(
     layers = base.layers
     base.layers = torch.nn.ModuleList(list(layers)[:2])
     try:
-        forward_at(lm.model, cache, chunk_ids[None], torch.arange(start, stop)[None], base_model_only=True)
+        forward_at(lm.model, cache, chunk_ids[None], torch.arange(start, stop)[None], base_model_only=True, kernel=kernel)
     finally:
         base.layers = layers
     new_v1 = cache.layers[1].values[0, :, start:stop]

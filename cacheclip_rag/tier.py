@@ -18,6 +18,36 @@ import torch
 from .store import ChunkEntry, LMDBStore
 
 
+class PinnedStaging:
+    """A ring of pinned host buffers, reused across misses (pinning is a slow driver call; pinning a
+    fresh buffer per entry cost more than the copy). A slot is refilled only after the asynchronous
+    copy that last read it has finished; buffers grow to the largest entry seen."""
+
+    def __init__(self, slots: int = 4):
+        self._buffers: list[torch.Tensor | None] = [None] * slots
+        self._done: list[torch.cuda.Event | None] = [None] * slots
+        self._turn = 0
+        self._lock = threading.Lock()  # the aux thread and the request thread both load through the tier
+
+    def to_device(self, tensor: torch.Tensor, device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
+        """`tensor` (CPU) copied to `device` on `stream` through a pinned slot; returns the device tensor."""
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            slot = self._turn
+            self._turn = (slot + 1) % len(self._buffers)
+            if self._done[slot] is not None:
+                self._done[slot].synchronize()
+            buffer = self._buffers[slot]
+            if buffer is None or buffer.numel() < nbytes:
+                buffer = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            staged = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
+            staged.copy_(tensor)
+            out = staged.to(device, non_blocking=True)
+            self._done[slot] = torch.cuda.Event()
+            self._done[slot].record(stream)
+        return out
+
+
 class DeviceTier:
     """`KVStore` over an `LMDBStore`, keeping up to `max_bytes` of decoded entries on `device`."""
 
@@ -32,6 +62,7 @@ class DeviceTier:
         self._entries: OrderedDict[tuple[bytes, str], ChunkEntry] = OrderedDict()
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._staging = PinnedStaging() if self._stream is not None else None
 
     @property
     def path(self):
@@ -42,8 +73,8 @@ class DeviceTier:
             return entry if self.device.type == "cpu" else ChunkEntry(
                 entry.keys.to(self.device), entry.values.to(self.device), entry.token_ids, entry.offsets)
         with torch.cuda.stream(self._stream):
-            keys = entry.keys.pin_memory().to(self.device, non_blocking=True)
-            values = entry.values.pin_memory().to(self.device, non_blocking=True)
+            keys = self._staging.to_device(entry.keys, self.device, self._stream)
+            values = self._staging.to_device(entry.values, self.device, self._stream)
         return ChunkEntry(keys, values, entry.token_ids, entry.offsets)
 
     def _insert(self, key: tuple[bytes, str], entry: ChunkEntry) -> None:

@@ -21,7 +21,8 @@ def sorted_positions(batch, rows, length, generator):
     return torch.stack([torch.randperm(length, generator=generator)[:rows].sort().values for _ in range(batch)])
 
 
-def run_case(dtype, heads=4, kv_heads=2, dim=32, length=37, rows=13, softcap=None, window=None, positions=None, seed=0):
+def run_case(dtype, heads=4, kv_heads=2, dim=32, length=37, rows=13, softcap=None, window=None, positions=None, seed=0,
+             tiles=(16, 16), splits=None, tol=None):
     g = torch.Generator().manual_seed(seed)
     b = 2
     q = torch.randn(b, heads, rows, dim, generator=g).to(dtype).to(DEVICE)
@@ -29,11 +30,11 @@ def run_case(dtype, heads=4, kv_heads=2, dim=32, length=37, rows=13, softcap=Non
     v = torch.randn(b, kv_heads, length, dim, generator=g).to(dtype).to(DEVICE)
     pos = (sorted_positions(b, rows, length, g) if positions is None else positions).to(DEVICE)
     scale = dim ** -0.5
-    got = selected_attention(q, k, v, pos, scale, softcap, window, block_m=16, block_n=16)
+    got = selected_attention(q, k, v, pos, scale, softcap, window, block_m=tiles[0], block_n=tiles[1], num_splits=splits)
     ref = selected_attention_reference(q, k, v, pos, scale, softcap, window)
     assert got.shape == ref.shape == (b, rows, heads, dim)
     err = (got.float() - ref.float()).abs().max().item() if rows else 0.0
-    assert err < TOL[dtype], err
+    assert err < (tol or TOL[dtype]), err
     return got, ref
 
 
@@ -96,6 +97,45 @@ def test_contiguous_runs_like_grouping_output():
     run_case(torch.float32, length=64, rows=pos.shape[1], positions=pos)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(5, 1), (10, 2)])
+def test_five_query_heads_per_kv_head_pack_into_one_tile(heads, kv_heads):
+    """GQA packing: (row, head) pairs of a kv head share a tile; 5 is not a power of two, so tiles end
+    mid-row and rows straddle tiles."""
+    run_case(torch.float32, heads=heads, kv_heads=kv_heads, length=45, rows=11)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_keys_merge_to_the_same_output(splits):
+    """Question-only forwards split the keys across programs; the partials must merge exactly, also
+    for rows that see nothing in some splits (causal and window edges)."""
+    run_case(torch.float32, length=70, rows=6, splits=splits)
+    run_case(torch.float32, length=70, rows=9, splits=splits, window=9, softcap=3.0, heads=5, kv_heads=1)
+
+
+def test_bulk_blocks_below_the_first_row_use_the_unmasked_path():
+    """Rows late in a long context: most key blocks lie wholly below every row (the unmasked bulk
+    loop), the rest are masked edges; the default tile table is used (one tile covers all rows)."""
+    pos = torch.arange(150, 200, 3).expand(2, -1)
+    run_case(torch.float32, length=200, rows=pos.shape[1], positions=pos, tiles=(None, None))
+    run_case(torch.float32, length=200, rows=pos.shape[1], positions=pos, tiles=(16, 16), window=40)
+
+
+def test_window_and_softcap_together():
+    run_case(torch.float32, window=6, softcap=1.5, length=60, rows=17, heads=6, kv_heads=2)
+
+
+def test_head_dim_256():
+    run_case(torch.float32, heads=2, kv_heads=1, dim=256, length=21, rows=5, tiles=(16, 16))
+
+
+def test_unsorted_or_out_of_range_positions_are_rejected():
+    q, k = torch.randn(1, 2, 3, 32, device=DEVICE), torch.randn(1, 1, 8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="sorted"):
+        selected_attention(q, k, k, torch.tensor([[5, 2, 6]], device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match="within"):
+        selected_attention(q, k, k, torch.tensor([[1, 2, 8]], device=DEVICE), 1.0)
+
+
 def test_bad_shapes_are_rejected():
     q = torch.randn(1, 3, 4, 32)
     k = torch.randn(1, 2, 8, 32)
@@ -103,6 +143,46 @@ def test_bad_shapes_are_rejected():
         selected_attention(q, k, k, torch.zeros(1, 4, dtype=torch.long), 1.0)
     with pytest.raises(ValueError, match="positions"):
         selected_attention(torch.randn(1, 2, 4, 32), k, k, torch.zeros(1, 3, dtype=torch.long), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 needs CUDA (the interpreter's bf16 dot is wrong)")
+@pytest.mark.parametrize("tiles", [(64, 64), (None, None)], ids=["64x64", "tuned"])
+@pytest.mark.parametrize("dim,window,softcap", [(128, None, None), (256, None, None), (128, 300, 30.0), (256, 300, 30.0)])
+def test_bf16_compiled_matches_the_reference(tiles, dim, window, softcap):
+    """bf16 on the GPU, 5 query heads per kv head, a context of several key tiles with grouped runs.
+    Tolerance 2e-2: bf16 has 8 bits of mantissa (~4e-3 per rounding); P is rounded to bf16 before P@V."""
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randperm(1400 // 8, generator=g)[:40].sort().values * 8
+    pos = torch.cat([torch.arange(s, s + 8) for s in starts.tolist()] + [torch.arange(1400, 1432)])
+    run_case(torch.bfloat16, heads=10, kv_heads=2, dim=dim, length=1432, rows=pos.numel(), positions=pos.expand(2, -1),
+             window=window, softcap=softcap, tiles=tiles, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_question_only_rows_split_the_keys():
+    pos = torch.arange(4000, 4032).expand(1, -1)
+    run_case(torch.bfloat16, heads=40, kv_heads=8, dim=128, length=4032, rows=32, positions=pos.expand(2, -1),
+             tiles=(None, None), tol=2e-2)
+
+
+def test_no_position_mask_is_built_under_the_kernel(make_engine, monkeypatch):
+    """The kernel masks by position: the recompute forward must not build a [Tq, N] mask."""
+    from cacheclip_rag import recompute
+    from cacheclip_rag.config import RequestOptions
+    from cacheclip_rag.testing import tiny_model
+    from tests.conftest import CHUNKS, QUESTION
+
+    engine = make_engine(tiny_model("llama"))
+    calls = []
+    engine.kernel = lambda *a, **k: calls.append(1) or selected_attention(*a, **k)
+    engine.ingest(CHUNKS, progress=False)
+    built = []
+    original = recompute.position_masks
+    monkeypatch.setattr(recompute, "position_masks", lambda *a, **k: built.append(1) or original(*a, **k))
+    engine.generate(QUESTION, CHUNKS, RequestOptions(method="shared_prefix", max_new_tokens=1))
+    assert len(calls) == engine.primary.config.num_hidden_layers and built == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -119,3 +199,34 @@ def test_kernel_in_the_recompute_path_matches_sdpa(arch, make_engine):
     fused = engine.generate(QUESTION, CHUNKS, opts)
     assert fused.recomputed_tokens == plain.recomputed_tokens > 0
     assert (fused.first_logits - plain.first_logits).abs().max() < 1e-4
+
+
+def test_cuda_without_triton_warns_and_falls_back(monkeypatch):
+    """An engine on CUDA without Triton would silently take the slow masked path: it must say so."""
+    from types import SimpleNamespace
+
+    from cacheclip_rag.engine import default_kernel
+    from cacheclip_rag.kernels import selected_attention as module
+
+    monkeypatch.setattr(module, "triton", None)
+    with pytest.warns(RuntimeWarning, match="Triton is not installed"):
+        assert default_kernel(SimpleNamespace(device=torch.device("cuda"))) is None
+    assert default_kernel(SimpleNamespace(device=torch.device("cpu"))) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tier_stages_through_reused_pinned_buffers(tmp_path):
+    from cacheclip_rag.store import ChunkEntry, LMDBStore
+    from cacheclip_rag.tier import DeviceTier
+
+    entries = [ChunkEntry(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16), tuple(range(n)),
+                          tuple((i, i + 1) for i in range(n))) for n in (5, 40, 7, 33, 12, 9)]
+    with LMDBStore(tmp_path) as store:
+        for i, e in enumerate(entries):
+            store.put(bytes([i]) * 32, "m", e)
+        tier = DeviceTier(store, "cuda", 1 << 30)
+        got = tier.get_many([bytes([i]) * 32 for i in range(len(entries))], "m")
+        torch.cuda.synchronize()
+        for e, g in zip(entries, got):
+            assert g.keys.is_cuda and torch.equal(g.keys.cpu(), e.keys) and torch.equal(g.values.cpu(), e.values)
