@@ -8,9 +8,10 @@ from transformers import PreTrainedTokenizerBase
 
 
 def split_sections(markdown: str) -> list[str]:
-    """One chunk per `## ` section (heading included); text before the first section is dropped."""
+    """One chunk per `## ` section (heading included); text before the first section is a chunk of its
+    own, so nothing is dropped."""
     parts = re.split(r"(?m)^(?=## )", markdown)
-    return [p.strip() for p in parts if p.startswith("## ") and p.strip()]
+    return [p.strip() for p in parts if p.strip()]
 
 
 def split_tokens(text: str, tokenizer: PreTrainedTokenizerBase, size: int = 1000, overlap: int = 50) -> list[str]:

@@ -6,15 +6,19 @@ Environment variables are read here only (CACHECLIP_CACHE moves the model cache 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
 
 from .chunking import split_sections
 from .config import METHODS, EngineConfig, RequestOptions
 from .engine import Engine
-from .store import LMDBStore
+from .store import LMDBStore, StoreError
 
 DEMO_QUESTIONS = (
     ("How many pistons support the Halvorsen mirror?", "96"),
@@ -61,16 +65,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _read_chunks(paths: list[str]) -> list[tuple[str, str]]:
-    """(file name, chunk) for every .md/.txt file under `paths`: markdown sections, else the whole file."""
+    """(file name, chunk) for every .md/.txt file under `paths`: markdown sections, else the whole file.
+    Checked before any model loads: a missing path or a file that is not UTF-8 text stops here."""
     out = []
     for path in map(Path, paths):
         if not path.exists():
             raise SystemExit(f"no such file or folder: {path}")
         for file in sorted(path.rglob("*") if path.is_dir() else [path]):
             if file.suffix in {".md", ".txt"}:
-                text = file.read_text(encoding="utf-8")
-                out.extend((file.name, chunk) for chunk in split_sections(text) or [text] if chunk.strip())
+                raw = file.read_bytes()
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise SystemExit(f"{file}: not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+                if "\x00" in text:
+                    raise SystemExit(f"{file}: binary data (NUL bytes), not text")
+                out.extend((str(file), chunk) for chunk in split_sections(text) or [text] if chunk.strip())
     return out
+
+
+@contextmanager
+def _index_lock(directory: Path) -> Iterator[None]:
+    """Serialise ingest runs into one index: the second waits, then adds to what the first wrote."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".ingest.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _index_dir(args: argparse.Namespace) -> Path:
@@ -82,23 +102,41 @@ def _index_dir(args: argparse.Namespace) -> Path:
 def cmd_ingest(args: argparse.Namespace) -> int:
     """Files -> chunks -> FAISS index (MiniLM embeddings, LlamaIndex) + each chunk's KV in the store."""
     import faiss
-    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
     from llama_index.core.schema import TextNode
     from llama_index.vector_stores.faiss import FaissVectorStore
 
     from .integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding
 
-    engine = Engine.from_config(_config(args))
     chunks = _read_chunks(args.paths)
     if not chunks:
         raise SystemExit("no .md or .txt text found")
-    nodes = [TextNode(text=chunk, metadata={"file": name}) for name, chunk in chunks]
-    vector_store = CacheClipVectorStore(FaissVectorStore(faiss_index=faiss.IndexFlatL2(384)), engine)
-    index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=vector_store),
-                             embed_model=MiniLMEmbedding(), show_progress=True)
-    index.storage_context.persist(persist_dir=str(_index_dir(args)))
-    print(f"ingested {len(nodes)} chunks: index {_index_dir(args)}, KV store {engine.store.path}")
+    engine = Engine.from_config(_config(args))
+    directory = _index_dir(args)
+    # a node's id is a hash of its file and text: ingesting a document again adds nothing
+    nodes = {_node_id(name, chunk): TextNode(id_=_node_id(name, chunk), text=chunk, metadata={"file": name})
+             for name, chunk in chunks}
+    with _index_lock(directory):
+        if (directory / "docstore.json").exists():
+            faiss_store = FaissVectorStore.from_persist_dir(str(directory))
+            context = StorageContext.from_defaults(vector_store=CacheClipVectorStore(faiss_store, engine),
+                                                   persist_dir=str(directory))
+            index = load_index_from_storage(context, embed_model=MiniLMEmbedding())
+            new = [n for node_id, n in nodes.items() if not index.docstore.document_exists(node_id)]
+            index.insert_nodes(new, show_progress=True)
+        else:
+            new = list(nodes.values())
+            vector_store = CacheClipVectorStore(FaissVectorStore(faiss_index=faiss.IndexFlatL2(384)), engine)
+            index = VectorStoreIndex(new, storage_context=StorageContext.from_defaults(vector_store=vector_store),
+                                     embed_model=MiniLMEmbedding(), show_progress=True)
+        index.storage_context.persist(persist_dir=str(directory))
+    print(f"ingested {len(new)} new chunks ({len(nodes) - len(new)} already present): index {directory}, "
+          f"KV store {engine.store.path}")
     return 0
+
+
+def _node_id(file: str, chunk: str) -> str:
+    return hashlib.sha256(f"{file}\0{chunk}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def cmd_query(args: argparse.Namespace) -> int:
@@ -187,6 +225,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_maintain(args: argparse.Namespace) -> int:
     """verify (quarantine damaged entries), evict (LRU down to --max-bytes), compact (shrink the file)."""
     path = Path(args.store) if args.store else EngineConfig().store_path
+    if not (path / "data.mdb").is_file():
+        raise SystemExit(f"no store at {path}")  # never create an empty one under a mistyped path
+    if args.command == "evict" and args.max_bytes < 0:
+        raise SystemExit(f"--max-bytes must be >= 0, got {args.max_bytes}")
     with LMDBStore(path) as store:
         if args.command == "verify":
             print(store.verify())
@@ -281,7 +323,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except StoreError as err:  # a damaged, foreign, busy or full store: one line, not a traceback
+        raise SystemExit(f"cacheclip {args.command}: {err}") from None
 
 
 if __name__ == "__main__":

@@ -11,6 +11,27 @@ from .models import DEFAULT_SYSTEM_PROMPT, cache_dir
 METHODS = ("full", "direct", "shared_prefix", "cacheblend", "cacheclip", "oracle")
 
 
+def _require_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def _require_str(name: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    check_text(name, value)
+
+
+def check_text(name: str, value: str) -> None:
+    """Text that cannot be encoded as UTF-8 (a lone surrogate, e.g. from a bad decode) is refused here,
+    by name, instead of failing deep inside a tokenizer."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} is not valid Unicode text: {err.reason} at index {err.start} "
+                         f"({value[err.start:err.end]!r})") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Which models, where the store lives, and the method's fixed parameters."""
@@ -27,6 +48,10 @@ class EngineConfig:
     device_cache_bytes: int = 0  # > 0: keep hot chunk caches resident on `device` (LRU), e.g. 8 << 30 on a GPU
 
     def __post_init__(self) -> None:
+        for name in ("window", "threshold", "ingest_batch_size", "device_cache_bytes"):
+            _require_int(name, getattr(self, name))
+        for name in ("primary", "system_prompt", "device", "aux_device"):
+            _require_str(name, getattr(self, name))
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:
@@ -66,6 +91,19 @@ class RequestOptions:
     sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
 
     def __post_init__(self) -> None:
+        _require_int("max_new_tokens", self.max_new_tokens)
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(getattr(self, name)).__name__}")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not 0 <= self.seed < 1 << 63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, (tuple, list)) or not all(
+                isinstance(x, str) and x for x in self.stop):
+            raise TypeError(f"stop must be a tuple of non-empty strings (e.g. stop=({self.stop!r},)), got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        _require_str("answer_prefix", self.answer_prefix)
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.ratio, (int, float)) or math.isnan(self.ratio) or not 0.0 <= self.ratio <= 1.0:

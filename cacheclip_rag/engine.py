@@ -19,10 +19,11 @@ import torch
 from .align import map_selection
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
-from .config import EngineConfig, RequestOptions
+from .config import EngineConfig, RequestOptions, check_text
 from .decode import decode_tokens, text_deltas
 from .group import group
-from .ingest import DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, new_cache, precompute, prefix_cache, validate_chunks
+from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
+                     validate_chunks)
 from .models import LoadedModel, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys
@@ -181,20 +182,23 @@ class Engine:
         """Stored entries for `texts`; a miss is computed, stored and used."""
         prefix = prefix_cache(lm, self.store, self.config.system_prompt)
         keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
-        found = self.store.get_many(keys, lm.fingerprint.digest, lm.device)
+        found = fetch(lm, self.store, keys)
         missing = [t for t, e in zip(texts, found) if e is None]
         if missing:
             precompute(lm, self.store, missing, self.config.system_prompt, variant,
                        self.config.ingest_batch_size, progress=False)
-            found = self.store.get_many(keys, lm.fingerprint.digest, lm.device)
+            found = fetch(lm, self.store, keys)
         return prefix, found  # type: ignore[return-value]
 
     # ---- request path ------------------------------------------------------------------------
 
     def plan(self, question: str, texts: Sequence[str], options: RequestOptions) -> Plan:
         validate_chunks(texts)
-        if not isinstance(question, str) or not question.strip():
+        if not isinstance(question, str):
+            raise TypeError(f"question must be a string, got {type(question).__name__}")
+        if not question.strip():
             raise ValueError("question is empty")
+        check_text("question", question)
         lm = self.primary
         prefix_ids = lm.encode_prefix(lm.prompt.prefix(self.config.system_prompt))
         question_ids = lm.encode(lm.prompt.question(question, options.answer_prefix))

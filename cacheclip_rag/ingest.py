@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .cache import BlendedCache
+from .config import check_text
 from .models import LoadedModel
 from .recompute import forward_at
 from .store import ChunkEntry, LMDBStore, entry_key
@@ -17,8 +18,11 @@ SHARED, DIRECT, PREFIX = "shared", "direct", "prefix"
 
 
 def validate_chunks(texts: Sequence[str]) -> None:
-    if isinstance(texts, str):
+    if isinstance(texts, (str, bytes)):
         raise TypeError("chunks must be a list of strings, not one string")
+    if not isinstance(texts, Sequence):
+        raise TypeError(f"chunks must be a list or tuple of strings, got {type(texts).__name__} "
+                        "(materialise an iterator with list(...))")
     if len(texts) == 0:
         raise ValueError("no chunks given: pass at least one chunk")
     for i, text in enumerate(texts):
@@ -26,6 +30,7 @@ def validate_chunks(texts: Sequence[str]) -> None:
             raise TypeError(f"chunk {i} is {type(text).__name__}, not str")
         if not text.strip():
             raise ValueError(f"chunk {i} is empty or whitespace only")
+        check_text(f"chunk {i}", text)
 
 
 def kv_layout(lm: LoadedModel) -> tuple[int, int, int]:
@@ -58,11 +63,31 @@ def chunk_key(lm: LoadedModel, prefix_ids: Sequence[int], text: str, variant: st
     return entry_key(lm.fingerprint.digest, prefix_ids if variant == SHARED else (), chunk_unit(lm, text), variant)
 
 
+def fetch(lm: LoadedModel, store: LMDBStore, keys: list[bytes]) -> list[ChunkEntry | None]:
+    """Stored entries for `keys` on the model's device, each checked against the model's cache layout
+    (layers, kv heads, head dim): an entry of another layout (a buggy writer, a crafted store) is
+    quarantined and reported missing, so it is recomputed rather than zipped short or misread."""
+    layers, kv_heads, head_dim = kv_layout(lm)
+    found = store.get_many(keys, lm.fingerprint.digest, lm.device)
+    for i, (key, entry) in enumerate(zip(keys, found)):
+        if entry is None:
+            continue
+        l, kv, _, d = entry.keys.shape
+        if (l, kv, d) != (layers, kv_heads, head_dim):
+            store.quarantine(key, f"layout [L={l}, KV={kv}, D={d}] is not {lm.name}'s "
+                                  f"[L={layers}, KV={kv_heads}, D={head_dim}]")
+            found[i] = None
+    return found
+
+
 def prefix_cache(lm: LoadedModel, store: LMDBStore, system_prompt: str) -> PrefixCache:
     """The shared prefix's KV, computed once per (model, prefix) and stored."""
     ids = lm.encode_prefix(lm.prompt.prefix(system_prompt))
     key = entry_key(lm.fingerprint.digest, ids, "", PREFIX)
-    entry = store.get(key, lm.fingerprint.digest, lm.device)
+    entry = fetch(lm, store, [key])[0]
+    if entry is not None and entry.token_ids != tuple(ids):
+        store.quarantine(key, "prefix entry holds other token ids than its key's prefix")
+        entry = None
     if entry is None:
         cache = new_cache(lm, len(ids))
         positions = torch.arange(len(ids))[None]

@@ -13,13 +13,18 @@ never served.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
+import shutil
+import threading
 import struct
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -137,43 +142,101 @@ def _tensor_from_bytes(raw: memoryview, shape: tuple[int, ...], dtype: torch.dty
     return out
 
 
+_MAX_HEADER = 64 << 20  # a header is token ids and offsets: far below this for any real chunk
+_MAX_ABS = 1e5  # no real K/V element comes near this (fp16 tops out at 65504); a scaled payload does
+
+
 def _split(raw: memoryview | bytes) -> tuple[dict, memoryview]:
-    """Header dict and payload view of an encoded entry."""
+    """Header dict and payload view of an encoded entry; any undecodable header is damage."""
     view = memoryview(raw)
     if len(view) < _HEADER_LEN.size:
         raise CorruptEntryError("corrupted entry: shorter than its header")
     (head_len,) = _HEADER_LEN.unpack(view[: _HEADER_LEN.size])
+    if head_len > min(_MAX_HEADER, len(view) - _HEADER_LEN.size):
+        raise CorruptEntryError(f"corrupted entry: header length {head_len} out of bounds")
     try:
         header = json.loads(bytes(view[_HEADER_LEN.size : _HEADER_LEN.size + head_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptEntryError(f"corrupted entry: unreadable header ({err})") from err
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise CorruptEntryError(f"corrupted entry: unreadable header ({type(err).__name__})") from err
     if not isinstance(header, dict):
         raise CorruptEntryError("corrupted entry: header is not an object")
     return header, view[_HEADER_LEN.size + head_len :]
 
 
-def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry:
-    """Verify and decode an entry; `raw` may be a zero-copy buffer valid only inside its transaction."""
+def _verified(raw: memoryview | bytes) -> tuple[dict, memoryview]:
+    """Header and payload whose checksum holds, else `CorruptEntryError`. Integrity comes before any
+    field is believed: a flipped bit in the version or fingerprint is damage, not another model."""
     header, payload = _split(raw)
+    if _checksum(header, payload) != header.get("checksum"):
+        raise CorruptEntryError("corrupted entry: checksum mismatch")
+    return header, payload
+
+
+def _layout(header: dict, payload_bytes: int) -> tuple[torch.dtype, tuple[int, ...], tuple, tuple]:
+    """dtype, shape [L, KV, T, D], token ids and offsets, each checked against the others and the
+    payload's length before anything is allocated (a crafted shape must not allocate terabytes)."""
+    dtype = _DTYPES.get(header.get("dtype"))  # type: ignore[arg-type]
+    shape, ids, offsets = header.get("shape"), header.get("token_ids"), header.get("offsets")
+    if dtype is None:
+        raise CorruptEntryError(f"corrupted entry: unknown dtype {header.get('dtype')!r}")
+    if not (isinstance(shape, list) and len(shape) == 4 and all(type(n) is int and n >= 0 for n in shape)):
+        raise CorruptEntryError(f"corrupted entry: shape {shape!r} is not [L, KV, T, D]")
+    if not (isinstance(ids, list) and all(type(t) is int and t >= 0 for t in ids)):
+        raise CorruptEntryError("corrupted entry: token ids missing or not integers")
+    if not (isinstance(offsets, list) and all(isinstance(o, list) and len(o) == 2 and all(type(c) is int for c in o)
+                                              for o in offsets)):
+        raise CorruptEntryError("corrupted entry: character offsets missing or malformed")
+    if shape[2] != len(ids) or len(offsets) not in (0, len(ids)):  # the prefix entry has no offsets
+        raise CorruptEntryError(f"corrupted entry: {shape[2]} cached rows for {len(ids)} token ids and "
+                                f"{len(offsets)} offsets")
+    expected = 2 * math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if expected != payload_bytes:
+        raise CorruptEntryError(f"corrupted entry: {payload_bytes} payload bytes for shape {shape} {header['dtype']}")
+    return dtype, tuple(shape), tuple(ids), tuple(tuple(o) for o in offsets)
+
+
+def _check_values(keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Finite, of plausible magnitude, keys not all zero. On the CPU with numpy, single-threaded
+    (fork-safe, see `_tensor_from_bytes`), over data just copied, so still in cache; on a GPU with
+    torch, with one sync."""
+    if keys.device.type != "cpu":
+        for name, t in (("keys", keys), ("values", values)):
+            if t.numel() and not bool(torch.isfinite(t).all() & (t.abs().amax() <= _MAX_ABS)):
+                raise CorruptEntryError(f"corrupted entry: {name} hold NaN, inf or values beyond {_MAX_ABS:g}")
+        if keys.numel() and not bool(keys.any()):
+            raise CorruptEntryError("corrupted entry: keys are all zero")
+        return
+    for name, t in (("keys", keys), ("values", values)):
+        if t.numel() == 0:
+            continue
+        a = t.view(torch.int16).numpy().astype(np.int32) << 16 if t.dtype == torch.bfloat16 else t.numpy()
+        a = a.view(np.float32) if t.dtype == torch.bfloat16 else a
+        if not np.isfinite(a).all():
+            raise CorruptEntryError(f"corrupted entry: {name} hold NaN or inf")
+        if float(np.abs(a).max()) > _MAX_ABS:
+            raise CorruptEntryError(f"corrupted entry: {name} hold values beyond {_MAX_ABS:g}")
+    if keys.numel() and not np.any(keys.view(_INT_OF_SIZE[keys.element_size()]).numpy()):
+        raise CorruptEntryError("corrupted entry: keys are all zero")
+
+
+def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry:
+    """Verify and decode an entry; `raw` may be a zero-copy buffer valid only inside its transaction.
+
+    `CorruptEntryError` for anything damaged or impossible (checksum, header, layout, values);
+    `StoreError` for a whole entry of another format version or model."""
+    header, payload = _verified(raw)
     if header.get("version") != FORMAT_VERSION:
         raise StoreError(f"entry has format version {header.get('version')}, this library reads {FORMAT_VERSION}")
     if header.get("fingerprint") != fingerprint:
         raise StoreError(
             f"entry was written by model {header.get('fingerprint')}, not by the requested model {fingerprint}"
         )
-    if _checksum(header, payload) != header.get("checksum"):
-        raise CorruptEntryError("corrupted entry: checksum mismatch")
-    dtype = _DTYPES[header["dtype"]]
-    shape = tuple(header["shape"])
+    dtype, shape, token_ids, offsets = _layout(header, len(payload))
     half = len(payload) // 2
     keys = _tensor_from_bytes(payload[:half], shape, dtype, device)
     values = _tensor_from_bytes(payload[half:], shape, dtype, device)
-    return ChunkEntry(
-        keys=keys,
-        values=values,
-        token_ids=tuple(header["token_ids"]),
-        offsets=tuple(tuple(o) for o in header["offsets"]),
-    )
+    _check_values(keys, values)
+    return ChunkEntry(keys=keys, values=values, token_ids=token_ids, offsets=offsets)
 
 
 class StoreFullError(StoreError):
@@ -187,24 +250,74 @@ _STAMP = struct.Struct("<dQ")
 _DISK_FULL = ("No space left", "File too large", "Disk quota", "Input/output error")  # last access time (s), entry size (bytes)
 
 
+class _SharedExclusiveLock:
+    """Many holders in shared mode or one in exclusive mode (threads of one process); a waiting
+    exclusive request stops new shared ones, so map growth is not starved by a stream of reads."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            self._waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+_MARKER = b"cacheclip-store"
+_LOCK_FILE = "cacheclip.lock"
+
+
 class LMDBStore:
     """The LMDB-backed `KVStore`.
 
     - Atomic: `put_many` commits all its items or none (LMDB transactions, synced to disk), so a
       writer killed at any moment leaves only whole, checksummed entries.
+    - Threads: every method may be called from any number of threads at once. Each transaction runs
+      under a shared in-process lock and a map resize under the exclusive one: LMDB may move the map
+      only while no transaction of this process is open (a reader's zero-copy view would point into
+      unmapped memory, a segfault).
     - Processes: each process opens its own environment; a store object carried across `fork` reopens
       itself in the child. Readers and writers in several processes may share one directory; LMDB
       serialises writers. Reads and writes copy bytes with numpy, never with a parallel torch op, so
       they work in a child forked after the parent used torch's OpenMP pool (which would hang there).
       Torch work of your own in such a child still can: use the `spawn` start method, or call
-      `torch.set_num_threads(1)` first in the child, as torch's DataLoader workers do.
+      `torch.set_num_threads(1)` first in the child, as torch's DataLoader workers do. Readers left by
+      killed processes are cleared on open and whenever the reader table fills.
     - Growth: the map doubles when a write finds it full, up to `max_bytes`; past it (or on a full
       disk) `StoreFullError` is raised and nothing stored is touched. Other processes adopt a grown map.
-    - Integrity: an entry whose checksum or header fails is moved to a quarantine table, logged, and
-      reported as missing (so it is recomputed); it is never served. Another model's or format
-      version's entry raises `StoreError`.
+    - Integrity: an entry is believed only after its checksum; one that is damaged or impossible
+      (shape, rows, payload length, non-finite or absurd values) is moved to a quarantine table,
+      logged, and reported as missing (so it is recomputed); it is never served. An intact entry of
+      another model or format version raises `StoreError`. A truncated file is refused on open.
     - Space: `evict(max_bytes)` drops least-recently-used entries; `compact()` rewrites the file
-      without free pages (run it while no other process has the store open).
+      without free pages, and refuses while another process has the store open (a file lock that
+      every open store holds shared).
+    - Only our own directories are opened: another program's LMDB is refused, never modified.
+      `readonly=True` works on read-only media (no lock file is written there).
     """
 
     def __init__(self, path: str | Path, map_size: int = 1 << 30, readonly: bool = False,
@@ -215,26 +328,70 @@ class LMDBStore:
         if max_bytes is not None and max_bytes < 1 << 20:
             raise ValueError(f"max_bytes must be at least 1 MiB, got {max_bytes}")
         self._map_size = min(map_size, max_bytes) if max_bytes else map_size
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreError(f"{self.path} is a file, not a store directory")
         if not readonly:
             self.path.mkdir(parents=True, exist_ok=True)
         elif not (self.path / "data.mdb").exists():
             raise StoreError(f"no store at {self.path}")
         self._open()
 
+    # ---- opening -----------------------------------------------------------------------------
+
     def _open(self) -> None:
         self._pid = os.getpid()
-        create = not self.readonly
+        self._lock = _SharedExclusiveLock()
+        self._lockfile = self._hold_lock_file()
+        try:
+            self._open_env()
+        except BaseException:
+            self._release_lock_file()
+            raise
+
+    def _hold_lock_file(self) -> int | None:
+        """A shared flock held while the store is open; compaction needs it exclusively. Opening waits
+        while another process compacts (a few seconds at most)."""
+        try:
+            fd = os.open(self.path / _LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            if not self.readonly:
+                raise
+            return None  # read-only media: nobody can compact it either
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    def _release_lock_file(self) -> None:
+        if self._lockfile is not None:
+            os.close(self._lockfile)  # closing drops this process's flock
+            self._lockfile = None
+
+    def _open_env(self) -> None:
+        data = self.path / "data.mdb"
+        stale = self.path / "compact.tmp"
+        if stale.exists() and not self.readonly:  # a compaction killed midway; we hold the lock file,
+            shutil.rmtree(stale, ignore_errors=True)  # so none is running now
+        writable_lock = os.access(self.path, os.W_OK) and (
+            not (self.path / "lock.mdb").exists() or os.access(self.path / "lock.mdb", os.W_OK))
+        use_lock = not self.readonly or writable_lock
+        if data.exists() and data.stat().st_size > 0:
+            self._refuse_foreign(use_lock)
         for _ in range(100):  # another process may grow the map while we open the file or its tables
             try:
                 self._env = lmdb.open(
-                    str(self.path), map_size=self._map_size, subdir=True, readonly=self.readonly, lock=True,
+                    str(self.path), map_size=self._map_size, subdir=True, readonly=self.readonly, lock=use_lock,
                     max_readers=256, max_dbs=4, metasync=True, sync=True,
                 )
                 break
             except lmdb.MapResizedError:  # a failed open leaves nothing open; try again
                 time.sleep(0.01)
+            except lmdb.Error as err:
+                raise StoreError(f"cannot open the store at {self.path}: {err}") from err
         else:
             raise StoreError(f"{self.path}: the map kept being resized by other processes")
+        if use_lock:
+            self._env.reader_check()  # slots of readers whose process died
+        self._check_not_truncated()
+        create = not self.readonly
         for _ in range(100):
             try:
                 self._dbs = {name: self._env.open_db(name, create=create) if create or self._has_db(name) else None
@@ -242,10 +399,44 @@ class LMDBStore:
                 break
             except lmdb.MapResizedError:
                 self._env.set_mapsize(0)
+            except lmdb.Error as err:
+                self._env.close()
+                raise StoreError(f"{self.path} is not a cacheclip store ({err})") from err
         else:
             raise StoreError(f"{self.path}: the map kept being resized by other processes")
         if self._dbs[_ENTRIES] is None:
             raise StoreError(f"{self.path} is not a cacheclip store (no entries table)")
+        if create:
+            with self._transaction(write=True) as txn:
+                txn.put(b"format", _MARKER, db=self._dbs[_META], overwrite=False)
+
+    def _refuse_foreign(self, use_lock: bool) -> None:
+        """An existing LMDB whose main table names anything but our four tables is another program's:
+        refuse it before a single table is added to it."""
+        try:
+            env = lmdb.open(str(self.path), readonly=True, lock=use_lock, subdir=True, max_dbs=0)
+        except lmdb.Error as err:
+            raise StoreError(f"cannot open {self.path}: {err}") from err
+        try:
+            with env.begin() as txn:
+                names = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+        finally:
+            env.close()
+        foreign = names - {_ENTRIES, _ACCESS, _QUARANTINE, _META}
+        if foreign:
+            shown = ", ".join(sorted(n.decode("utf-8", "replace") for n in foreign)[:5])
+            raise StoreError(f"{self.path} holds another program's LMDB database (keys: {shown}); "
+                             "it is not a cacheclip store and was left untouched")
+
+    def _check_not_truncated(self) -> None:
+        """Pages past the end of the file would be a SIGBUS on first touch: refuse the file instead."""
+        info, psize = self._env.info(), self._env.stat()["psize"]
+        needed = (info["last_pgno"] + 1) * psize
+        size = (self.path / "data.mdb").stat().st_size
+        if size < needed:
+            self._env.close()
+            raise StoreError(f"{self.path / 'data.mdb'} is truncated: {size:,} bytes, but its last committed "
+                             f"page ends at {needed:,}. Restore it from a copy, or move it away to start empty.")
 
     def _has_db(self, name: bytes) -> bool:
         with self._env.begin() as txn:
@@ -257,8 +448,11 @@ class LMDBStore:
         if os.getpid() != self._pid:
             # The parent's handle must not be used here. Closing it in the child only unmaps the file
             # and forgets it (LMDB clears reader slots of this pid only, and fcntl locks are not
-            # inherited), which lets this process open its own environment on the same files.
+            # inherited), which lets this process open its own environment on the same files. The
+            # inherited lock-file descriptor shares the parent's flock: keep it open (closing it here
+            # would not release the parent's lock, and the child takes its own).
             self._env.close()
+            self._lockfile = None
             self._open()
         return self._env
 
@@ -269,23 +463,36 @@ class LMDBStore:
         self.close()
 
     def close(self) -> None:
-        self._env.close()
+        with self._lock.exclusive():
+            self._env.close()
+        self._release_lock_file()
 
-    def _begin(self, write: bool = False) -> lmdb.Transaction:
-        """A transaction; a map grown by another process in the meantime is adopted first."""
+    # ---- transactions ------------------------------------------------------------------------
+
+    @contextmanager
+    def _transaction(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction, committed on success; a map grown by another process is adopted first, and
+        a reader table full of dead processes' slots is cleared."""
         env = self.env
         for _ in range(100):
-            try:
-                return env.begin(write=write, buffers=True)
-            except lmdb.MapResizedError:
+            with self._lock.shared():
+                try:
+                    txn = env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                except lmdb.ReadersFullError:
+                    txn = None
+                    env.reader_check()
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            with self._lock.exclusive():
                 env.set_mapsize(0)  # 0: adopt the size another process set
-        raise StoreError(f"{self.path}: the map kept being resized by other processes")
-
-    def _read(self) -> lmdb.Transaction:
-        return self._begin(write=False)
+        raise StoreError(f"{self.path}: could not begin a transaction (map resized or reader table full)")
 
     def contains(self, key: bytes) -> bool:
-        with self._read() as txn:
+        with self._transaction() as txn:
             return txn.get(key, db=self._dbs[_ENTRIES]) is not None
 
     def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
@@ -297,7 +504,7 @@ class LMDBStore:
         """Entries for `keys` (None where missing or quarantined now); records the access for LRU."""
         found: list[ChunkEntry | None] = []
         corrupted: list[tuple[bytes, bytes, str]] = []
-        with self._read() as txn:
+        with self._transaction() as txn:
             for k in keys:
                 raw = txn.get(k, db=self._dbs[_ENTRIES])
                 try:
@@ -311,12 +518,20 @@ class LMDBStore:
             self._touch([k for k, e in zip(keys, found) if e is not None])
         return found
 
+    def quarantine(self, key: bytes, why: str) -> None:
+        """Move an entry that its reader found unusable (e.g. the wrong layout for its model) aside."""
+        with self._transaction() as txn:
+            raw = txn.get(key, db=self._dbs[_ENTRIES])
+            raw = None if raw is None else bytes(raw)
+        if raw is not None:
+            self._quarantine([(key, raw, why)])
+
     def _quarantine(self, items: list[tuple[bytes, bytes, str]]) -> None:
         for key, _, why in items:
             log.error("store %s: entry %s is corrupted (%s); quarantined, it will be recomputed", self.path, key.hex(), why)
         if self.readonly:
             raise StoreError(f"corrupted entries in read-only store {self.path}: {[k.hex() for k, _, _ in items]}")
-        with self._begin(write=True) as txn:
+        with self._transaction(write=True) as txn:
             for key, raw, _ in items:
                 txn.put(key, raw, db=self._dbs[_QUARANTINE])
                 txn.delete(key, db=self._dbs[_ENTRIES])
@@ -327,13 +542,14 @@ class LMDBStore:
             return
         now = time.time()
         try:
-            with self._begin(write=True) as txn:
+            with self._transaction(write=True) as txn:
                 for k in keys:
                     old = txn.get(k, db=self._dbs[_ACCESS])
                     size = _STAMP.unpack(old)[1] if old is not None else 0
                     txn.put(k, _STAMP.pack(now, size), db=self._dbs[_ACCESS])
-        except (lmdb.MapFullError, StoreError):
-            pass  # access times are a hint for eviction; never fail a read over one
+        except (lmdb.Error, StoreError) as err:
+            # access times are a hint for eviction: a full map or disk must never fail a read
+            log.debug("store %s: access times not recorded (%s)", self.path, err)
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
         self.put_many([(key, fingerprint, entry)])
@@ -346,56 +562,63 @@ class LMDBStore:
         now = time.time()
         while True:
             try:
-                with self._begin(write=True) as txn:
+                with self._transaction(write=True) as txn:
                     for k, raw in encoded:
                         txn.put(k, raw, db=self._dbs[_ENTRIES])
                         txn.put(k, _STAMP.pack(now, len(raw)), db=self._dbs[_ACCESS])
                 return
             except lmdb.MapFullError:
-                self._grow(sum(len(raw) for _, raw in encoded))
+                self._grow(sum(len(raw) for _, raw in encoded))  # outside the transaction: it moves the map
             except lmdb.Error as err:
-                if any(cause in str(err) for cause in _DISK_FULL):
-                    raise StoreFullError(
-                        f"writing to {self.path} failed ({err}): the disk is full (or failing). This write was "
-                        "rolled back; everything stored before is intact. Free space, then reopen the store."
-                    ) from err
-                raise
+                raise self._disk_error(err) from err
+
+    def _disk_error(self, err: lmdb.Error) -> Exception:
+        if any(cause in str(err) for cause in _DISK_FULL):
+            return StoreFullError(
+                f"writing to {self.path} failed ({err}): the disk is full (or failing). This write was "
+                "rolled back; everything stored before is intact. Free space, then retry."
+            )
+        return err
 
     def _grow(self, needed: int) -> None:
-        size = self.env.info()["map_size"]
-        new_size = max(size * 2, size + 2 * needed)
-        if self.max_bytes is not None:
-            if size >= self.max_bytes:
-                raise StoreFullError(
-                    f"store {self.path} is full: its cap is {self.max_bytes:,} bytes; evict() entries or raise max_bytes"
-                )
-            new_size = min(new_size, self.max_bytes)
-        log.info("growing LMDB map %s from %d to %d bytes", self.path, size, new_size)
-        try:
-            self.env.set_mapsize(new_size)
-        except lmdb.Error as err:
-            raise StoreFullError(f"cannot grow {self.path} to {new_size:,} bytes: {err}") from err
+        with self._lock.exclusive():  # no transaction of this process may be open while the map moves
+            size = self.env.info()["map_size"]
+            new_size = max(size * 2, size + 2 * needed)
+            if self.max_bytes is not None:
+                if size >= self.max_bytes:
+                    raise StoreFullError(
+                        f"store {self.path} is full: its cap is {self.max_bytes:,} bytes; evict() entries or raise max_bytes"
+                    )
+                new_size = min(new_size, self.max_bytes)
+            log.info("growing LMDB map %s from %d to %d bytes", self.path, size, new_size)
+            try:
+                self.env.set_mapsize(new_size)
+            except lmdb.Error as err:
+                raise StoreFullError(f"cannot grow {self.path} to {new_size:,} bytes: {err}") from err
 
     def keys(self) -> Iterator[bytes]:
-        with self._read() as txn:
-            for key in txn.cursor(db=self._dbs[_ENTRIES]).iternext(keys=True, values=False):
-                yield bytes(key)
+        """Every entry's key (a snapshot: no transaction stays open while the caller iterates)."""
+        with self._transaction() as txn:
+            keys = [bytes(k) for k in txn.cursor(db=self._dbs[_ENTRIES]).iternext(keys=True, values=False)]
+        return iter(keys)
 
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove entries; returns how many existed."""
         removed = 0
-        with self._begin(write=True) as txn:
+        with self._transaction(write=True) as txn:
             for k in keys:
                 removed += bool(txn.delete(k, db=self._dbs[_ENTRIES]))
                 txn.delete(k, db=self._dbs[_ACCESS])
         # LMDB reuses pages freed by a commit only after the next commit; make the space usable now
-        with self._begin(write=True) as txn:
+        with self._transaction(write=True) as txn:
             txn.put(b"last_delete", _STAMP.pack(time.time(), removed), db=self._dbs[_META])
         return removed
 
     def evict(self, max_bytes: int) -> int:
         """Drop least-recently-used entries until the entries total at most `max_bytes`; returns the count."""
-        with self._read() as txn:
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
+        with self._transaction() as txn:
             stamps = [(*_STAMP.unpack(v), bytes(k)) for k, v in txn.cursor(db=self._dbs[_ACCESS])]
         total = sum(size for _, size, _ in stamps)
         victims = []
@@ -408,35 +631,52 @@ class LMDBStore:
 
     def compact(self) -> tuple[int, int]:
         """Rewrite the file without free pages; returns (bytes before, bytes after).
-        Needs exclusive use: no other process may have the store open."""
+
+        Refuses (`StoreError`) while another process has the store open: it would go on writing into
+        the replaced file and lose those writes. Processes that open the store meanwhile wait for it.
+        A full disk raises `StoreFullError` and leaves the store as it was."""
+        if self.readonly:
+            raise StoreError(f"store {self.path} is open read-only")
+        self.env  # reopen first if this object crossed a fork
+        try:
+            fcntl.flock(self._lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreError(f"cannot compact {self.path}: another process has the store open. Stop it "
+                             "(servers, ingest runs) and retry; compaction needs the store to itself.") from None
         data = self.path / "data.mdb"
-        before = data.stat().st_size
         tmp = self.path / "compact.tmp"
-        tmp.mkdir(exist_ok=True)
-        (tmp / "data.mdb").unlink(missing_ok=True)
-        self.env.copy(str(tmp), compact=True)
-        self._env.close()
-        os.replace(tmp / "data.mdb", data)  # atomic: the old or the new file, never a mix
-        tmp.rmdir()
-        self._open()
-        return before, data.stat().st_size
+        try:
+            with self._lock.exclusive():
+                before = data.stat().st_size
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                try:
+                    self._env.copy(str(tmp), compact=True)
+                except lmdb.Error as err:
+                    raise self._disk_error(err) from err
+                self._env.close()
+                os.replace(tmp / "data.mdb", data)  # atomic: the old or the new file, never a mix
+            self._open_env()
+            return before, data.stat().st_size
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            fcntl.flock(self._lockfile, fcntl.LOCK_SH)
 
     def quarantined(self) -> list[bytes]:
         if self._dbs[_QUARANTINE] is None:
             return []
-        with self._read() as txn:
+        with self._transaction() as txn:
             return [bytes(k) for k in txn.cursor(db=self._dbs[_QUARANTINE]).iternext(keys=True, values=False)]
 
     def verify(self) -> dict[str, int]:
-        """Check every entry's header and checksum (any model); quarantine the bad ones."""
+        """Check every entry's checksum and layout (any model); quarantine the bad ones."""
         bad: list[tuple[bytes, bytes, str]] = []
         good = 0
-        with self._read() as txn:
+        with self._transaction() as txn:
             for k, raw in txn.cursor(db=self._dbs[_ENTRIES]):
                 try:
-                    header, payload = _split(raw)
-                    if _checksum(header, payload) != header.get("checksum"):
-                        raise CorruptEntryError("checksum mismatch")
+                    header, payload = _verified(raw)
+                    _layout(header, len(payload))
                     good += 1
                 except StoreError as err:
                     bad.append((bytes(k), bytes(raw), str(err)))
@@ -448,13 +688,13 @@ class LMDBStore:
         """Entries, bytes used, entries per model fingerprint, quarantined entries, file size."""
         models: dict[str, int] = {}
         total = 0
-        with self._read() as txn:
+        with self._transaction() as txn:
             for _, raw in txn.cursor(db=self._dbs[_ENTRIES]):
                 try:
                     model = _split(raw)[0].get("fingerprint", "?")
                 except StoreError:
                     model = "corrupted"
-                models[model] = models.get(model, 0) + 1
+                models[str(model)] = models.get(str(model), 0) + 1
                 total += len(raw)
         return {"entries": sum(models.values()), "bytes": total, "models": models, "path": str(self.path),
                 "quarantined": len(self.quarantined()), "file_bytes": (self.path / "data.mdb").stat().st_size}

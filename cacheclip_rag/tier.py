@@ -115,6 +115,12 @@ class DeviceTier:
     def get(self, key: bytes, fingerprint: str, device: torch.device | str | None = None) -> ChunkEntry | None:
         return self.get_many([key], fingerprint)[0]
 
+    def quarantine(self, key: bytes, why: str) -> None:
+        with self._lock:
+            for cached in [k for k in self._entries if k[0] == key]:
+                self.bytes -= self._entries.pop(cached).nbytes
+        self.store.quarantine(key, why)
+
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
         self.store.put(key, fingerprint, entry)
 

@@ -17,14 +17,19 @@ def test_ingest_query_inspect(tmp_path, capsys):
     (docs / "skip.bin").write_bytes(b"\x00\x01")
     models = ["--primary", "smollm2-135m", "--aux", "smollm2-135m", "--store", str(tmp_path / "kv")]
     assert main(["ingest", str(docs), "--index", str(tmp_path / "index"), *models]) == 0
-    assert "ingested 3 chunks" in capsys.readouterr().out
+    assert "ingested 3 new chunks (0 already present)" in capsys.readouterr().out
+    more = tmp_path / "more"
+    more.mkdir()
+    (more / "harbour.md").write_text("Preamble before any heading: the harbour opens at six.\n\n## Tides\nHigh tide at noon.\n")
+    assert main(["ingest", str(docs), str(more), "--index", str(tmp_path / "index"), *models]) == 0
+    assert "ingested 2 new chunks (3 already present)" in capsys.readouterr().out  # added, not replaced
     assert main(["query", "When does the ferry leave?", "--index", str(tmp_path / "index"), "--top-k", "2",
                  "--max-new-tokens", "12", *models]) == 0
     out = capsys.readouterr()
     assert "retrieved 2 chunks" in out.err and "ttft_s" in out.err and out.out.strip()
     assert main(["inspect", "--store", str(tmp_path / "kv")]) == 0
     report = capsys.readouterr().out
-    assert "entries 7" in report and "quarantined 0" in report  # prefix + 3 chunks x (shared, direct)
+    assert "entries 11" in report and "quarantined 0" in report  # prefix + 5 chunks x (shared, direct)
     with pytest.raises(SystemExit, match="no such file"):
         main(["ingest", str(tmp_path / "missing"), *models])
 
@@ -43,3 +48,37 @@ def test_store_maintenance_commands(tmp_path, capsys):
     assert "compacted" in capsys.readouterr().out
     with LMDBStore(tmp_path) as store:
         assert 0 < store.stats()["bytes"] <= 100000
+
+
+def test_ingest_checks_its_files_before_loading_any_model(tmp_path):
+    """A file that is not UTF-8 (or is binary) is named, with a non-zero exit, before the ~50 s model load:
+    the model name here does not even exist, so reaching the load would fail differently."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(SystemExit, match="latin1.txt: not UTF-8"):
+        main(["ingest", str(docs), "--primary", "no-such-model", "--store", str(tmp_path / "kv")])
+    (docs / "latin1.txt").write_bytes(b"text\x00\x01binary")
+    with pytest.raises(SystemExit, match="latin1.txt: binary"):
+        main(["ingest", str(docs), "--primary", "no-such-model", "--store", str(tmp_path / "kv")])
+
+
+def test_markdown_text_before_the_first_heading_is_kept():
+    from cacheclip_rag.chunking import split_sections
+
+    chunks = split_sections("Intro that answers a question.\n\n## A\nalpha\n## B\nbeta\n")
+    assert chunks == ["Intro that answers a question.", "## A\nalpha", "## B\nbeta"]
+
+
+def test_maintenance_on_a_mistyped_path_creates_nothing(tmp_path):
+    for command in (["verify"], ["compact"], ["evict", "--max-bytes", "10"]):
+        with pytest.raises(SystemExit, match="no store at"):
+            main([*command, "--store", str(tmp_path / "typo")])
+    assert not (tmp_path / "typo").exists()
+    from cacheclip_rag.store import LMDBStore
+    from tests.stress.workers import write
+
+    with LMDBStore(tmp_path / "kv") as store:
+        write(store, 0, 3)
+    with pytest.raises(SystemExit, match="--max-bytes must be >= 0"):
+        main(["evict", "--store", str(tmp_path / "kv"), "--max-bytes", "-5"])

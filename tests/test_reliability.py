@@ -293,7 +293,7 @@ def test_chunk_texts_never_leave_the_store_directory(tmp_path_factory, texts):
             precompute(lm, store, texts, "Be brief.", SHARED, progress=False)
         except ValueError:
             assert any(not t.strip() for t in texts)  # only empty chunks are refused
-    assert sorted(p.name for p in path.iterdir()) == ["data.mdb", "lock.mdb"]
+    assert sorted(p.name for p in path.iterdir()) == ["cacheclip.lock", "data.mdb", "lock.mdb"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -334,4 +334,4 @@ def test_edge_inputs(make_engine):
     full = engine.generate("what is here?", ["same text.", "same text."], RequestOptions(method="full", max_new_tokens=2))
     assert max_diff(duplicate.first_logits, full.first_logits) < 1e-4
     assert engine.store.verify()["quarantined"] == 0
-    assert sorted(os.listdir(engine.store.path)) == ["data.mdb", "lock.mdb"]
+    assert sorted(os.listdir(engine.store.path)) == ["cacheclip.lock", "data.mdb", "lock.mdb"]

@@ -7,6 +7,10 @@ Run from the repository root as `python -m tests.stress.workers <role> <store> [
 - `reader STOP SECONDS`: reads every synthetic key over and over for SECONDS, checking each entry it
   sees is whole and equals what the writer writes; prints entries seen per pass.
 - `ingest N`: precomputes N chunks with the tiny Llama (batch 1), the real ingest path.
+- `threads STOP READERS`: one store object shared by READERS reader threads and one writer thread that
+  writes STOP entries into a 1 MiB map (so it grows many times under the readers); prints the reads.
+- `hold SECONDS`: opens the store, prints `ready`, and keeps it open (a live server beside maintenance).
+- `die-reading`: opens a read transaction, prints `ready`, and waits to be killed inside it.
 
 Each synthetic entry is a pure function of its index, so any reader can check what it reads.
 """
@@ -68,6 +72,41 @@ def read_all(store: LMDBStore, stop: int) -> int:
     return seen
 
 
+def threads_growing_the_map(path: str, stop: int, readers: int) -> int:
+    """Reader threads and a writer thread on one store while its map grows; returns entries read.
+    Raises the first error any thread met (a torn read, a raw LMDB error)."""
+    import threading
+
+    store = LMDBStore(path, map_size=1 << 20)
+    write(store, 0, 4)
+    errors: list[BaseException] = []
+    reads = [0] * readers
+    done = threading.Event()
+
+    def reader(n: int) -> None:
+        try:
+            while not done.is_set():
+                reads[n] += read_all(store, stop)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    pool = [threading.Thread(target=reader, args=(n,), daemon=True) for n in range(readers)]
+    for t in pool:
+        t.start()
+    try:
+        write(store, 4, stop, batch=3)
+    finally:
+        done.set()
+        for t in pool:
+            t.join(timeout=60)
+    if errors:
+        raise errors[0]
+    assert store.env.info()["map_size"] > 1 << 20, "the map never grew"
+    assert read_all(store, stop) == stop
+    store.close()
+    return sum(reads)
+
+
 def main(argv: list[str]) -> int:
     role, path, *rest = argv
     if role == "writer":
@@ -85,6 +124,19 @@ def main(argv: list[str]) -> int:
             if counts != sorted(counts):
                 raise AssertionError(f"a committed entry disappeared: {counts}")
             print(" ".join(map(str, counts)), flush=True)
+    elif role == "threads":
+        stop, readers = int(rest[0]), int(rest[1])
+        print(threads_growing_the_map(path, stop, readers), flush=True)
+    elif role == "hold":
+        with LMDBStore(path) as store:
+            store.contains(synthetic_key(0))
+            print("ready", flush=True)
+            time.sleep(float(rest[0]))
+    elif role == "die-reading":
+        with LMDBStore(path) as store, store._transaction() as txn:
+            txn.get(synthetic_key(0), db=store._dbs[b"entries"])
+            print("ready", flush=True)
+            time.sleep(600)
     elif role == "ingest":
         from cacheclip_rag.ingest import SHARED, precompute
         from cacheclip_rag.testing import tiny_model
