@@ -16,7 +16,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from .chunking import split_sections
-from .config import METHODS, EngineConfig, RequestOptions
+from .config import METHODS, EngineConfig, RequestOptions, is_redis_url
 from .engine import Engine
 from .store import LMDBStore, StoreError
 
@@ -36,7 +36,9 @@ def demo_chunks() -> list[str]:
 def _config(args: argparse.Namespace) -> EngineConfig:
     overrides = {"primary": args.primary, "aux": args.aux, "device": args.device, "aux_device": args.aux_device}
     if args.store:
-        overrides["store_path"] = Path(args.store)
+        overrides["store_path"] = args.store if is_redis_url(args.store) else Path(args.store)
+    if getattr(args, "shared_store", None):
+        overrides["shared_store"] = args.shared_store
     return EngineConfig(**overrides)
 
 
@@ -262,7 +264,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--aux", default=EngineConfig.aux)
         sp.add_argument("--device", default="cpu")
         sp.add_argument("--aux-device", default="cpu")
-        sp.add_argument("--store", default=None, help="LMDB directory (default: user cache)")
+        sp.add_argument("--store", default=None, help="LMDB directory (default: user cache) or a redis:// URL")
+        sp.add_argument("--shared-store", default=None, help="redis:// URL of a tier shared by machines, behind "
+                        "the local --store")
         return sp
 
     demo = with_models(sub.add_parser("demo", help="ingest the bundled handbook and compare methods"))

@@ -11,6 +11,10 @@ from .models import DEFAULT_SYSTEM_PROMPT, cache_dir
 METHODS = ("full", "direct", "shared_prefix", "cacheblend", "cacheclip", "oracle")
 
 
+def is_redis_url(location: str) -> bool:
+    return location.startswith(("redis://", "rediss://", "unix://"))
+
+
 def _require_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
@@ -38,7 +42,8 @@ class EngineConfig:
 
     primary: str = "gemma3-270m"
     aux: str | None = "smollm2-135m"
-    store_path: Path = field(default_factory=lambda: cache_dir() / "store")
+    store_path: Path | str = field(default_factory=lambda: cache_dir() / "store")  # LMDB folder, or a redis URL
+    shared_store: str | None = None  # a redis URL: a shared tier behind the local LMDB store at store_path
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     device: str = "cpu"
     aux_device: str = "cpu"
@@ -52,6 +57,8 @@ class EngineConfig:
             _require_int(name, getattr(self, name))
         for name in ("primary", "system_prompt", "device", "aux_device"):
             _require_str(name, getattr(self, name))
+        if self.shared_store is not None and is_redis_url(str(self.store_path)):
+            raise ValueError("shared_store puts Redis behind a local LMDB store: store_path must then be a folder")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:

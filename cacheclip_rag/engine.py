@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from .align import map_selection
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
-from .config import EngineConfig, RequestOptions, check_text
+from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
 from .group import group
 from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
@@ -135,7 +136,7 @@ class Engine:
     """Primary model, optional aux model, and the store, with the request path over them."""
 
     primary: LoadedModel
-    store: LMDBStore | DeviceTier
+    store: LMDBStore | DeviceTier  # or any KVStore: RedisStore, TieredStore
     config: EngineConfig = field(default_factory=EngineConfig)
     aux: LoadedModel | None = None
     # "auto": the Triton selected-rows kernel on CUDA (a warning if Triton is missing), SDPA elsewhere;
@@ -159,7 +160,7 @@ class Engine:
             aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
                 config.aux, device=config.aux_device
             )
-        store: LMDBStore | DeviceTier = LMDBStore(config.store_path)
+        store = open_store(config.store_path, config.shared_store)
         if config.device_cache_bytes:
             store = DeviceTier(store, primary.device, config.device_cache_bytes)
         return cls(primary=primary, store=store, config=config, aux=aux)
@@ -310,6 +311,21 @@ class Engine:
     def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def open_store(location: str | Path, shared: str | None = None):
+    """The store for `location`: an LMDB folder, or a redis URL; with `shared` (a redis URL), a local
+    LMDB tier in front of the shared one."""
+    if is_redis_url(str(location)):
+        from .redis_store import RedisStore
+
+        return RedisStore(str(location))
+    local = LMDBStore(location)
+    if shared is None:
+        return local
+    from .redis_store import RedisStore, TieredStore
+
+    return TieredStore(local, RedisStore(shared))
 
 
 def default_kernel(lm: LoadedModel) -> SelectedRowsKernel | None:
