@@ -50,7 +50,10 @@ def crash_run(kills: int, seed: int = 0) -> dict:
     reopen_s = []
     for _ in range(kills):
         proc = worker("writer", str(path), "0", str(STOP), "3")
-        assert proc.stdout.readline().strip() == "ready"
+        line = proc.stdout.readline().strip()
+        if line != "ready":
+            proc.kill()
+            raise AssertionError(f"writer did not start: {line!r} {proc.stderr.read()[-2000:]}")
         time.sleep(rng.random() * 0.5)
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -113,7 +113,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     chunks = _read_chunks(args.paths)
     if not chunks:
         raise SystemExit("no .md or .txt text found")
-    engine = Engine.from_config(_config(args))
+    config = _config(args)
+    if args.ray is not None:  # the chunks' KV on Ray workers first; the index build below then finds it stored
+        _ingest_on_ray(args, config, [chunk for _, chunk in chunks])
+    engine = Engine.from_config(config)
     directory = _index_dir(args)
     # a node's id is a hash of its file and text: ingesting a document again adds nothing
     nodes = {_node_id(name, chunk): TextNode(id_=_node_id(name, chunk), text=chunk, metadata={"file": name})
@@ -135,6 +138,23 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     print(f"ingested {len(new)} new chunks ({len(nodes) - len(new)} already present): index {directory}, "
           f"KV store {engine.store.path}")
     return 0
+
+
+def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[str]) -> None:
+    from functools import partial
+
+    from .distributed import ingest_on_ray
+    from .engine import open_store
+    from .models import load_model
+
+    store = partial(open_store, config.store_path, config.shared_store)
+    for name, device in ((config.primary, config.device), (config.aux, config.aux_device)):
+        if name is None:
+            continue
+        _, computed = ingest_on_ray(partial(load_model, name, device=device), store, texts, config.system_prompt,
+                                    workers=args.ray_workers, address=args.ray or None,
+                                    num_gpus=1 if device.startswith("cuda") else 0)
+        print(f"{name}: {computed} chunks computed on Ray", file=sys.stderr)
 
 
 def _node_id(file: str, chunk: str) -> str:
@@ -279,6 +299,9 @@ def parser() -> argparse.ArgumentParser:
     ingest = with_models(sub.add_parser("ingest", help="files or folders (.md/.txt) -> FAISS index + KV store"))
     ingest.add_argument("paths", nargs="+")
     ingest.add_argument("--index", default=None, help="index directory (default: user cache)")
+    ingest.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help="compute the chunks' KV on Ray workers (a local cluster, or the one at ADDRESS)")
+    ingest.add_argument("--ray-workers", type=int, default=2)
     ingest.set_defaults(func=cmd_ingest)
 
     query = with_models(sub.add_parser("query", help="answer a question over chunk files (default: the handbook)"))
