@@ -75,15 +75,22 @@ def _read_chunks(paths: list[str]) -> list[tuple[str, str]]:
             raise SystemExit(f"no such file or folder: {path}")
         for file in sorted(path.rglob("*") if path.is_dir() else [path]):
             if file.suffix in {".md", ".txt"}:
-                raw = file.read_bytes()
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    raise SystemExit(f"{file}: not UTF-8 text (byte {err.start}); convert it or leave it out") from None
-                if "\x00" in text:
-                    raise SystemExit(f"{file}: binary data (NUL bytes), not text")
+                text = _read_text(file)
                 out.extend((str(file), chunk) for chunk in split_sections(text) or [text] if chunk.strip())
     return out
+
+
+def _read_text(file: Path) -> str:
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SystemExit(f"{file}: not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+    if "\x00" in text:
+        raise SystemExit(f"{file}: binary data (NUL bytes), not text")
+    if not text.strip():
+        raise SystemExit(f"{file}: empty")
+    return text
 
 
 @contextmanager
@@ -161,12 +168,42 @@ def _node_id(file: str, chunk: str) -> str:
     return hashlib.sha256(f"{file}\0{chunk}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _check_query_args(args: argparse.Namespace) -> None:
+    """Everything a query can get wrong, before ~30 s of model loading."""
+    if not args.question.strip():
+        raise SystemExit("the question is empty")
+    if not 0.0 <= args.ratio <= 1.0:
+        raise SystemExit(f"--ratio must be in [0, 1], got {args.ratio}")
+    if args.top_k < 1:
+        raise SystemExit(f"--top-k must be >= 1, got {args.top_k}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for device in (args.device, args.aux_device):
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise SystemExit(f"--device {device}: no CUDA device is available here")
+    if args.chunk_files is not None:
+        if not args.chunk_files:
+            raise SystemExit("--chunk-files needs at least one file")
+        for name in args.chunk_files:
+            if not Path(name).is_file():
+                raise SystemExit(f"no such file: {name}")
+    elif not (_index_dir(args) / "docstore.json").exists():
+        raise SystemExit(f"no index at {_index_dir(args)}: build one with `cacheclip ingest DOCS"
+                         f"{' --index ' + args.index if args.index else ''}`, or pass --chunk-files")
+
+
 def cmd_query(args: argparse.Namespace) -> int:
+    _check_query_args(args)
+    sources: list[tuple[str, float | None]] = []
+    if args.chunk_files is not None:
+        chunks = [_read_text(Path(name)) for name in args.chunk_files]
+        sources = [(name, None) for name in args.chunk_files]
     engine = Engine.from_config(_config(args))
     options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
-    if args.chunk_files:
-        chunks = [Path(p).read_text(encoding="utf-8") for p in args.chunk_files]
-    elif args.index or (_index_dir(args) / "docstore.json").exists():
+    if args.chunk_files is None:
         from llama_index.core import StorageContext, load_index_from_storage
         from llama_index.vector_stores.faiss import FaissVectorStore
 
@@ -178,14 +215,16 @@ def cmd_query(args: argparse.Namespace) -> int:
         index = load_index_from_storage(context, embed_model=MiniLMEmbedding())
         nodes = index.as_retriever(similarity_top_k=args.top_k).retrieve(args.question)
         chunks = [node_text(n.node) for n in nodes]
+        sources = [(n.node.metadata.get("file", "?"), n.score) for n in nodes]
         print(f"retrieved {len(chunks)} chunks from {directory}", file=sys.stderr)
-    else:
-        chunks = demo_chunks()
     stream = engine.stream(args.question, chunks, options)
     for piece in stream:
         print(piece, end="", flush=True)
     print()
     assert stream.answer is not None
+    print("sources:")
+    for name, score in sources:
+        print(f"  {name}" + ("" if score is None else f"  (score {score:.3f})"))
     print({k: round(v, 4) for k, v in stream.answer.timings.as_dict().items()}, file=sys.stderr)
     return 0
 
@@ -304,10 +343,9 @@ def parser() -> argparse.ArgumentParser:
     ingest.add_argument("--ray-workers", type=int, default=2)
     ingest.set_defaults(func=cmd_ingest)
 
-    query = with_models(sub.add_parser("query", help="answer a question over chunk files (default: the handbook)"))
+    query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))
     query.add_argument("question")
-    query.add_argument("--chunk-files", nargs="*", help="answer over these files (default: the ingested index, "
-                       "else the bundled handbook)")
+    query.add_argument("--chunk-files", nargs="*", help="answer over these files (default: the ingested index)")
     query.add_argument("--index", default=None, help="index directory written by `ingest`")
     query.add_argument("--top-k", type=int, default=4)
     query.add_argument("--method", default="cacheclip", choices=METHODS)

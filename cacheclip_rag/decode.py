@@ -66,7 +66,10 @@ def text_deltas(lm: LoadedModel, tokens: Iterator[int], stops: Sequence[str], ge
     for token in tokens:
         generated.append(token)
         text = lm.tokenizer.decode(generated, skip_special_tokens=True)
-        cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+        # a stop string counts only after the answer's first visible character: an answer that opens
+        # with a newline is not an empty answer
+        lead = len(text) - len(text.lstrip())
+        cut = min((i for s in stops if s and (i := text.find(s, lead)) >= 0), default=-1) if lead < len(text) else -1
         if cut >= 0:
             if cut > len(emitted):
                 yield text[len(emitted) : cut]

@@ -138,7 +138,10 @@ def _tensor_from_bytes(raw: memoryview, shape: tuple[int, ...], dtype: torch.dty
     if out.device.type == "cpu":
         np.copyto(flat.numpy(), np.frombuffer(raw, dtype=np.uint8))
     else:
-        flat.copy_(torch.frombuffer(raw, dtype=torch.uint8))
+        with warnings.catch_warnings():  # LMDB's read-only page: torch warns it is not writable; we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(raw, dtype=torch.uint8)
+        flat.copy_(source)
     return out
 
 

@@ -82,3 +82,24 @@ def test_maintenance_on_a_mistyped_path_creates_nothing(tmp_path):
         write(store, 0, 3)
     with pytest.raises(SystemExit, match="--max-bytes must be >= 0"):
         main(["evict", "--store", str(tmp_path / "kv"), "--max-bytes", "-5"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["query", "  "], "the question is empty"),
+    (["query", "q?", "--ratio", "1.5"], "--ratio must be in"),
+    (["query", "q?", "--top-k", "0"], "--top-k must be >= 1"),
+    (["query", "q?", "--chunk-files"], "--chunk-files needs at least one file"),
+    (["query", "q?", "--chunk-files", "/no/such/file.md"], "no such file"),
+    (["query", "q?", "--device", "cuda"], "no CUDA device"),
+    (["query", "q?"], "no index at"),
+])
+def test_query_refuses_bad_input_before_loading_models(tmp_path, argv, message, monkeypatch):
+    """Each mistake is one line and a non-zero exit, before any model loads (the model named here does
+    not exist, so reaching the load would fail differently). With no index, the query used to answer
+    from the bundled demo handbook with exit 0."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=message):
+        main([*argv, "--primary", "no-such-model", "--index", str(tmp_path / "index"), "--store", str(tmp_path / "kv")])
+    assert not (tmp_path / "kv").exists()

@@ -54,3 +54,13 @@ def test_stop_option_and_max_tokens(make_engine):
     stop = free.text[3:6]
     cut = engine.generate(QUESTION, CHUNKS, RequestOptions(method="full", max_new_tokens=10, stop=(stop,)))
     assert stop not in cut.text and free.text.startswith(cut.text)
+
+
+def test_an_answer_opening_with_a_newline_is_not_cut_to_nothing():
+    """The completion format stops at a newline; the demo's director question and the LangChain
+    quickstart answered '\\n Amara ...' and showed nothing."""
+    lm = tiny_model("llama")
+    ids = lm.encode("\n\nAmara Lindqvist-Oduya\nQuestion: next")
+    generated: list[int] = []
+    text = "".join(text_deltas(lm, iter(ids), ["\n"], generated))
+    assert text.strip() == "Amara Lindqvist-Oduya"
