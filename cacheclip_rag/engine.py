@@ -22,13 +22,13 @@ from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
-from .group import group
+from .group import grouped_to_budget
 from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
                      validate_chunks)
 from .models import LoadedModel, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys
-from .select import aux_scores, primary_attention_scores, top_k_candidates, value_deviation_scores
+from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
 from .store import ChunkEntry, LMDBStore
 from .tier import DeviceTier
 
@@ -293,20 +293,31 @@ class Engine:
         return recompute(self.primary.model, cache, ids, positions, kernel=self.kernel)
 
     def aux_selection(self, plan: Plan, options: RequestOptions) -> list[torch.Tensor]:
-        """Per chunk, the primary tokens CacheClip recomputes: aux top-k -> grouping -> mapping."""
+        """Per chunk, the primary tokens CacheClip recomputes: aux scores -> grouped to the budget ->
+        mapped to the primary's tokens. Chunk 0 behind the shared prefix is exact already: it is not
+        scored (no aux pass) and never recomputed. Separator tokens are not chunk text: they rank last."""
         aux = self.aux
         if aux is None:
             raise ValueError("method 'cacheclip' needs an aux model; set EngineConfig.aux")
         prefix, entries = self.entries(aux, plan.texts, SHARED)
-        question_ids = aux.encode(aux.prompt.question(plan.question, options.answer_prefix))
+        question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
+        skip = 1 if options.shared_prefix else 0
         with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
-            scores = aux_scores(aux, prefix, entries, question_ids)
-        candidates = top_k_candidates(scores, options.ratio)
-        selected = []
-        for text, entry, cand, spans in zip(plan.texts, entries, candidates, plan.char_spans):
-            chosen = group(cand, self.config.window, self.config.threshold) if options.grouping else cand
-            selected.append(map_selection(entry.offsets, chosen, spans, len(chunk_unit(aux, text))))
-        return selected
+            scored = aux_scores(aux, prefix, entries[skip:], question_ids, question_rows) if len(entries) > skip else []
+        scores = [torch.full((entries[0].num_tokens,), float("-inf"))] * skip + scored
+        outside = [torch.tensor([start >= len(text) for start, _ in entry.offsets], dtype=torch.bool)
+                   for entry, text in zip(entries, plan.texts)]
+        for score, out in zip(scores, outside):
+            # separators rank below every chunk token: chosen only once the budget has room for all text
+            # (their cached K/V lack cross-chunk attention too, so ratio 1 still recomputes them)
+            score[out & torch.isfinite(score)] = -1e30
+        if options.grouping:
+            chosen = grouped_to_budget(scores, options.ratio, self.config.window, self.config.threshold,
+                                       options.exact_budget)
+        else:
+            chosen = top_k_candidates(scores, options.ratio)
+        return [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text)))
+                for text, entry, c, spans in zip(plan.texts, entries, chosen, plan.char_spans)]
 
     def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]
@@ -439,9 +450,11 @@ def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Pref
     t0 = _now(engine, options)
     scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
     lengths = [len(c) for c in plan.chunk_ids]
-    candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
     if options.grouping:
-        candidates = [group(c, engine.config.window, engine.config.threshold) for c in candidates]
+        candidates = grouped_to_budget(list(scores.split(lengths)), options.ratio, engine.config.window,
+                                       engine.config.threshold, options.exact_budget)
+    else:
+        candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
     t1 = _now(engine, options)
     cache = engine.blended_cache(plan, options, options.shared_prefix)
     t2 = _now(engine, options)

@@ -8,6 +8,8 @@ than tau whose tokens are all candidates is kept whole.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -29,3 +31,45 @@ def group(candidates: torch.Tensor, window: int = 8, threshold: int = 5) -> torc
     covered = torch.cat([torch.zeros(1, dtype=torch.long), kept_starts.long().cumsum(0)])
     lo = torch.clamp(starts - window + 1, min=0)
     return (covered[starts + 1] - covered[lo]) > 0
+
+
+def grouped_to_budget(
+    scores: list[torch.Tensor], ratio: float, window: int, threshold: int, exact: bool = True
+) -> list[torch.Tensor]:
+    """CacheClip's selection per chunk (bool masks) from token scores [n_c] per chunk.
+
+    The budget is ceil(ratio x all chunk tokens). Nominal (the paper): the top `ratio` tokens are
+    candidates, then grouped, which drops isolated candidates, so fewer tokens are recomputed than
+    the ratio says. Exact: the candidate pool grows in score order (the w/tau rule still decides what
+    a window is) until the grouped selection meets the budget; whole windows are kept, so it can
+    exceed the budget by up to 2w - 2 tokens (one more candidate can complete windows on both sides). Tokens scored -inf are never candidates (chunk 0
+    behind the shared prefix, separators); adding candidates never removes a selected token, so
+    the pool size is found by bisection."""
+    lengths = [s.numel() for s in scores]
+    flat = torch.cat([s.float().flatten() for s in scores]) if scores else torch.zeros(0)
+    budget = min(flat.numel(), math.ceil(ratio * flat.numel() - 1e-9))
+    eligible = int(torch.isfinite(flat).sum())
+    order = torch.sort(flat, descending=True, stable=True).indices[:eligible]
+
+    def select(k: int) -> list[torch.Tensor]:
+        chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+        chosen[order[:k]] = True
+        return [group(c, window, threshold) for c in chosen.split(lengths)]
+
+    def count(k: int) -> int:
+        return sum(int(m.sum()) for m in select(k))
+
+    if not exact or budget == 0:
+        return select(min(budget, eligible))
+    # the smallest pool whose grouped selection meets the budget; windows can also make the nominal
+    # pool overshoot it (a window keeps up to w tokens for tau candidates)
+    lo, hi = 0, eligible  # count(lo) < budget <= count(hi), unless no pool reaches it
+    if count(hi) < budget:
+        return select(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count(mid) >= budget:
+            hi = mid
+        else:
+            lo = mid
+    return select(hi)

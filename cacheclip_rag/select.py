@@ -25,10 +25,11 @@ from .store import ChunkEntry
 
 
 def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:
-    """Bool masks per chunk: the top ceil(ratio x total tokens) scores over all chunks together."""
+    """Bool masks per chunk: the top ceil(ratio x total tokens) scores over all chunks together
+    (tokens scored -inf never: they do not count as candidates)."""
     lengths = [s.numel() for s in scores]
     flat = torch.cat([s.float().flatten() for s in scores])
-    k = min(flat.numel(), math.ceil(ratio * flat.numel() - 1e-9))
+    k = min(int(torch.isfinite(flat).sum()), math.ceil(ratio * flat.numel() - 1e-9))
     chosen = torch.zeros(flat.numel(), dtype=torch.bool)
     if k > 0:
         chosen[torch.topk(flat, k).indices] = True
@@ -66,10 +67,25 @@ def _slot_mask(
     return masks
 
 
+def question_tokens(lm: LoadedModel, question: str, answer_prefix: str = "") -> tuple[list[int], torch.Tensor]:
+    """The question in the model's prompt format: its token ids, and which of them are the question's
+    own text [Q] (bool) rather than template ("Question:", "Answer:", role markers)."""
+    text = lm.prompt.question(question, answer_prefix)
+    ids, spans = lm.encode_with_offsets(text)
+    start = text.find(question)
+    if start < 0:
+        return ids, torch.ones(len(ids), dtype=torch.bool)
+    stop = start + len(question)
+    own = torch.tensor([a < stop and b > start for a, b in spans], dtype=torch.bool)
+    return ids, own if own.any() else torch.ones(len(ids), dtype=torch.bool)
+
+
 def aux_scores(
-    aux: LoadedModel, prefix: PrefixCache, entries: Sequence[ChunkEntry], question_ids: Sequence[int]
+    aux: LoadedModel, prefix: PrefixCache, entries: Sequence[ChunkEntry], question_ids: Sequence[int],
+    question_rows: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Per chunk, a score [n_c] for each of its aux tokens (see module doc)."""
+    """Per chunk, a score [n_c] for each of its aux tokens (see module doc), averaged over heads and
+    the question rows `question_rows` [Q] (bool; default all)."""
     p, q = len(prefix.token_ids), len(question_ids)
     lengths = [e.num_tokens for e in entries]
     longest, c = max(lengths), len(entries)
@@ -88,6 +104,8 @@ def aux_scores(
     ids = torch.tensor([list(question_ids)] * c)
     forward_at(aux.model, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
     weights = probe.weights  # [C, H, Q, K]
+    if question_rows is not None:
+        weights = weights[:, :, question_rows.to(weights.device)]
     return [weights[b, :, :, p : p + n].mean(dim=(0, 1)).cpu() for b, n in enumerate(lengths)]
 
 

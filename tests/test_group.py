@@ -1,3 +1,4 @@
+import math
 """Sliding-window grouping on hand-worked sequences (w=8, tau=5 unless stated)."""
 
 import pytest
@@ -84,3 +85,27 @@ def test_invalid_parameters_are_rejected():
         group(mask(5, [1]), window=4, threshold=5)
     with pytest.raises(ValueError):
         group(torch.zeros(2, 2, dtype=torch.bool))
+
+
+def test_exact_budget_fills_whole_windows_up_to_the_ratio():
+    """The nominal rule recomputes far less than the ratio (grouping drops isolated candidates); the
+    exact rule grows the candidate pool until the grouped selection meets the budget, overshooting by
+    less than two windows, and never picks a token scored -inf."""
+    from cacheclip_rag.group import grouped_to_budget
+    from cacheclip_rag.select import top_k_candidates
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        scores = [torch.rand(int(n), generator=g) for n in torch.randint(5, 120, (4,), generator=g)]
+        scores[0][:] = float("-inf")  # chunk 0: exact behind the prefix, never a candidate
+        ratio = float(torch.rand(1, generator=g)) * 0.6
+        total = sum(s.numel() for s in scores)
+        budget = math.ceil(ratio * total - 1e-9)
+        exact = grouped_to_budget(scores, ratio, 8, 5)
+        nominal = grouped_to_budget(scores, ratio, 8, 5, exact=False)
+        assert not exact[0].any() and not nominal[0].any()
+        assert [torch.equal(a, group(c, 8, 5)) for a, c in zip(nominal, top_k_candidates(scores, ratio))] == [True] * 4
+        got = sum(int(m.sum()) for m in exact)
+        eligible = total - scores[0].numel()
+        assert budget <= got <= budget + 14 or got == sum(int(group(torch.ones(s.numel(), dtype=torch.bool), 8, 5).sum())
+                                                        for s in scores[1:]) <= eligible, (trial, got, budget)

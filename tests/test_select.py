@@ -1,9 +1,11 @@
+import math
 import copy
 
 import torch
 
 from cacheclip_rag.ingest import SHARED, chunk_unit
 from cacheclip_rag.select import aux_scores, top_k_candidates
+from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff
 
 
@@ -38,3 +40,31 @@ def test_top_k_is_global_over_chunks_with_ceil():
     assert sum(int(c.sum()) for c in top_k_candidates(scores, 0.0)) == 0
     assert all(c.all() for c in top_k_candidates(scores, 1.0))
     assert sum(int(c.sum()) for c in top_k_candidates(scores, 0.5)) == 3
+
+
+def test_question_rows_are_the_question_text_not_the_template():
+    from cacheclip_rag.select import question_tokens
+
+    lm = tiny_model("llama")
+    ids, own = question_tokens(lm, "what colour is the ferry?", "The answer is")
+    text = lm.prompt.question("what colour is the ferry?", "The answer is")
+    _, spans = lm.encode_with_offsets(text)
+    words = "".join(text[a:b] for (a, b), keep in zip(spans, own.tolist()) if keep)
+    assert "ferry" in words and "answer" not in words.lower() and 0 < int(own.sum()) < len(ids)
+
+
+def test_cacheclip_never_recomputes_chunk_zero_and_meets_the_budget(make_engine):
+    from cacheclip_rag.config import RequestOptions
+    from tests.conftest import CHUNKS, QUESTION
+
+    engine = make_engine(tiny_model("llama"))
+    plan = engine.plan(QUESTION, CHUNKS, RequestOptions())
+    chunk_tokens = plan.question_start - plan.prefix_len
+    eligible = chunk_tokens - len(plan.chunk_ids[0])
+    for ratio in (0.1, 0.3, 0.6, 1.0):
+        options = RequestOptions(method="cacheclip", ratio=ratio, max_new_tokens=1)
+        selected = engine.aux_selection(plan, options)
+        assert not selected[0].any()  # exact behind the shared prefix
+        chosen = sum(int(m.sum()) for m in selected)
+        assert chosen >= min(math.ceil(ratio * chunk_tokens), eligible)  # the budget is met, not nominal
+    assert all(m.all() for m in selected[1:])  # ratio 1: every token but chunk 0's, separators included

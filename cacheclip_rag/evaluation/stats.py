@@ -1,0 +1,72 @@
+"""Intervals and paired tests for quality claims: a number is reported with n and a 95% interval,
+and a difference between methods is claimed only when its paired interval excludes zero.
+
+- `bootstrap_ci`: percentile bootstrap interval of a mean.
+- `paired_bootstrap_ci`: the same for the mean of paired differences (sample i of method A against
+  sample i of method B), which removes the between-sample variance that unpaired intervals carry.
+- `sign_test`: exact two-sided sign test of paired differences (ties dropped).
+- `wilson_interval`: Wilson score interval of a proportion (scores in [0, 1] averaged over samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Estimate:
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}] (n={self.n})"
+
+
+def bootstrap_ci(values: Sequence[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0) -> Estimate:
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("no values")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+    tail = (1 - level) / 2
+    return Estimate(float(x.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail)), int(x.size))
+
+
+def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], level: float = 0.95, resamples: int = 10_000,
+                        seed: int = 0) -> Estimate:
+    """Interval of mean(a - b) over paired samples."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} and {len(b)}")
+    return bootstrap_ci(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64), level, resamples, seed)
+
+
+def sign_test(a: Sequence[float], b: Sequence[float]) -> tuple[int, int, float]:
+    """(times a > b, times a < b, exact two-sided p-value); ties are dropped."""
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    wins, losses = int((d > 0).sum()), int((d < 0).sum())
+    n = wins + losses
+    if n == 0:
+        return 0, 0, 1.0
+    k = min(wins, losses)
+    p = 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return wins, losses, min(1.0, p)
+
+
+def wilson_interval(successes: float, n: int, level: float = 0.95) -> Estimate:
+    """Wilson score interval of a proportion; `successes` may be fractional (mean score x n)."""
+    if n <= 0:
+        raise ValueError("n must be positive")
+    z = {0.95: 1.959963984540054, 0.9: 1.6448536269514722, 0.99: 2.5758293035489004}[level]
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return Estimate(p, max(0.0, centre - half), min(1.0, centre + half), n)
