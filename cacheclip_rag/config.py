@@ -95,6 +95,7 @@ class RequestOptions:
     answer_prefix: str = ""
     grouping: bool = True
     shared_prefix: bool = True
+    prompt_stops: bool = True  # end at the prompt format's stop strings (False: only `stop` and the budget)
     exact_budget: bool = True  # ratio = share of chunk tokens recomputed; False: the paper's nominal top-k
     sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
 

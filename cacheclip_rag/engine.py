@@ -260,7 +260,7 @@ class Engine:
                                options.temperature, options.top_p, options.seed)
         generated: list[int] = []
         pieces: list[str] = []
-        for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*lm.prompt.stop_strings, *options.stop), generated):
+        for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*(lm.prompt.stop_strings if options.prompt_stops else ()), *options.stop), generated):
             pieces.append(piece)
             yield piece
         timings.decode_tokens = max(0, len(generated) - 1)

@@ -6,11 +6,13 @@ place chunks and the question, and a fingerprint of everything that shapes its K
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,6 +241,15 @@ def convert_gguf(gguf_path: Path, chat_template: str | None = None) -> Path:
     folder = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
     if (folder / "config.json").exists() and (folder / ".complete").exists():
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # processes loading the model at once convert it once, in turn
+        if (folder / "config.json").exists() and (folder / ".complete").exists():
+            return folder
+        return _convert(gguf_path, folder, chat_template)
+
+
+def _convert(gguf_path: Path, folder: Path, chat_template: str | None) -> Path:
     log.info("converting %s to safetensors in %s (once)", gguf_path.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
@@ -247,7 +258,8 @@ def convert_gguf(gguf_path: Path, chat_template: str | None = None) -> Path:
         del model.config.quantization_config
     if chat_template and not tokenizer.chat_template:
         tokenizer.chat_template = chat_template
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder left by a killed conversion
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / ".complete").touch()

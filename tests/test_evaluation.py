@@ -198,3 +198,22 @@ def test_full_attention_on_gemma_passes_a_short_single1_floor(tmp_path):
     records = runner.run(engine, profile, progress=False)
     assert len(records) == 3
     assert sum(r.score for r in records) / 3 >= 2 / 3, [r.output for r in records]
+
+
+def test_decode_budget_fits_every_tasks_longest_answer():
+    """No task is capped by the decode budget: the budget holds all references in the answer model's
+    tokens, for UUIDs and four values too (24 tokens cut Gemma's UUIDs and multi-value answers)."""
+    from types import SimpleNamespace
+
+    from cacheclip_rag.evaluation import ruler
+    from cacheclip_rag.evaluation.runner import decode_budget
+    from cacheclip_rag.testing import tiny_model
+
+    lm = tiny_model("gemma3")
+    engine = SimpleNamespace(primary=lm)
+    count = lambda text: len(lm.encode(text))  # noqa: E731
+    for task in ruler.TASKS:
+        sample = ruler.generate(task, 600, 0, count)
+        answer = " " + ", ".join(sample.references)
+        assert decode_budget(engine, sample) >= len(lm.encode(answer)), task
+        assert ruler.score(lm.tokenizer.decode(lm.encode(answer)), sample.references) == 1.0, task

@@ -55,6 +55,17 @@ class RedisServer:
         while not os.path.exists(self.sock):
             assert time.monotonic() < deadline and self.proc.poll() is None, "redis-server did not start"
             time.sleep(0.02)
+        import redis
+
+        client = redis.Redis(unix_socket_path=self.sock)
+        while True:  # a restarted server answers only once it has loaded its append-only file
+            try:
+                client.ping()
+                break
+            except redis.exceptions.BusyLoadingError:
+                assert time.monotonic() < deadline, "redis-server did not finish loading"
+                time.sleep(0.05)
+        client.close()
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

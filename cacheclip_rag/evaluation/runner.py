@@ -116,10 +116,19 @@ def _record(sample: ruler.Sample, chunks: int, variant: Variant, ratio: float | 
     )
 
 
+def decode_budget(engine: Engine, sample: ruler.Sample, margin: int = 8) -> int:
+    """New tokens that fit every reference of the sample written out in the answer model's tokens,
+    plus a margin: a budget that cuts the answer off would score truncation, not retrieval (Gemma
+    writes one digit per token: a UUID is 37 tokens, four 7-digit values 36)."""
+    return len(engine.primary.encode(" " + ", ".join(sample.references))) + margin
+
+
 def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, count: Callable[[str], int]) -> list[Record]:
     chunks = ruler.sample_chunks(sample, count)
     engine.ingest(chunks, progress=False)
-    base = dict(max_new_tokens=profile.max_new_tokens, answer_prefix=sample.answer_prefix)
+    # RULER decodes to its budget: the completion format's newline stop would end an answer early
+    base = dict(max_new_tokens=max(profile.max_new_tokens, decode_budget(engine, sample)),
+                answer_prefix=sample.answer_prefix, prompt_stops=False)
     full = engine.generate(sample.question, chunks, RequestOptions(method="full", **base))
     records = [_record(sample, len(chunks), VARIANTS["full"], None, full, full)]
     for name in profile.variants:
