@@ -198,10 +198,18 @@ def _layout(header: dict, payload_bytes: int) -> tuple[torch.dtype, tuple[int, .
     return dtype, tuple(shape), tuple(ids), tuple(tuple(o) for o in offsets)
 
 
+# |x| <= _MAX_ABS as a bound on the magnitude bits (sign cleared) of each format: IEEE floats order
+# like their bit patterns, and NaN and inf lie above every finite bound, so one integer max per
+# tensor checks finiteness and magnitude, and max == 0 means all zeros
+_MAGNITUDE = {torch.float32: (np.uint32, 0x7FFFFFFF, int(np.array(_MAX_ABS, np.float32).view(np.uint32))),
+              torch.float16: (np.uint16, 0x7FFF, 0x7BFF),  # fp16's largest finite value is below _MAX_ABS
+              torch.bfloat16: (np.uint16, 0x7FFF, int(np.array(_MAX_ABS, np.float32).view(np.uint32)) >> 16)}
+
+
 def _check_values(keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Finite, of plausible magnitude, keys not all zero. On the CPU with numpy, single-threaded
-    (fork-safe, see `_tensor_from_bytes`), over data just copied, so still in cache; on a GPU with
-    torch, with one sync."""
+    """Finite, of plausible magnitude, keys not all zero. On the CPU with numpy on the bit patterns,
+    single-threaded (fork-safe, see `_tensor_from_bytes`), one pass a tensor over data just copied;
+    on a GPU with torch, with one sync."""
     if keys.device.type != "cpu":
         for name, t in (("keys", keys), ("values", values)):
             if t.numel() and not bool(torch.isfinite(t).all() & (t.abs().amax() <= _MAX_ABS)):
@@ -209,17 +217,15 @@ def _check_values(keys: torch.Tensor, values: torch.Tensor) -> None:
         if keys.numel() and not bool(keys.any()):
             raise CorruptEntryError("corrupted entry: keys are all zero")
         return
+    unsigned, mask, limit = _MAGNITUDE[keys.dtype]
     for name, t in (("keys", keys), ("values", values)):
         if t.numel() == 0:
             continue
-        a = t.view(torch.int16).numpy().astype(np.int32) << 16 if t.dtype == torch.bfloat16 else t.numpy()
-        a = a.view(np.float32) if t.dtype == torch.bfloat16 else a
-        if not np.isfinite(a).all():
-            raise CorruptEntryError(f"corrupted entry: {name} hold NaN or inf")
-        if float(np.abs(a).max()) > _MAX_ABS:
-            raise CorruptEntryError(f"corrupted entry: {name} hold values beyond {_MAX_ABS:g}")
-    if keys.numel() and not np.any(keys.view(_INT_OF_SIZE[keys.element_size()]).numpy()):
-        raise CorruptEntryError("corrupted entry: keys are all zero")
+        top = int(np.bitwise_and(t.view(_INT_OF_SIZE[t.element_size()]).numpy().view(unsigned), mask).max())
+        if top > limit:
+            raise CorruptEntryError(f"corrupted entry: {name} hold NaN, inf or values beyond {_MAX_ABS:g}")
+        if name == "keys" and top == 0:
+            raise CorruptEntryError("corrupted entry: keys are all zero")
 
 
 def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry:
