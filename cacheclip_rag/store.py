@@ -375,15 +375,12 @@ class LMDBStore:
             self._lockfile = None
 
     def _open_env(self) -> None:
-        data = self.path / "data.mdb"
         stale = self.path / "compact.tmp"
         if stale.exists() and not self.readonly:  # a compaction killed midway; we hold the lock file,
             shutil.rmtree(stale, ignore_errors=True)  # so none is running now
         writable_lock = os.access(self.path, os.W_OK) and (
             not (self.path / "lock.mdb").exists() or os.access(self.path / "lock.mdb", os.W_OK))
         use_lock = not self.readonly or writable_lock
-        if data.exists() and data.stat().st_size > 0:
-            self._refuse_foreign(use_lock)
         for _ in range(100):  # another process may grow the map while we open the file or its tables
             try:
                 self._env = lmdb.open(
@@ -400,6 +397,7 @@ class LMDBStore:
         if use_lock:
             self._env.reader_check()  # slots of readers whose process died
         self._check_not_truncated()
+        self._refuse_foreign()
         create = not self.readonly
         for _ in range(100):
             try:
@@ -419,20 +417,24 @@ class LMDBStore:
             with self._transaction(write=True) as txn:
                 txn.put(b"format", _MARKER, db=self._dbs[_META], overwrite=False)
 
-    def _refuse_foreign(self, use_lock: bool) -> None:
+    def _refuse_foreign(self) -> None:
         """An existing LMDB whose main table names anything but our four tables is another program's:
-        refuse it before a single table is added to it."""
-        try:
-            env = lmdb.open(str(self.path), readonly=True, lock=use_lock, subdir=True, max_dbs=0)
-        except lmdb.Error as err:
-            raise StoreError(f"cannot open {self.path}: {err}") from err
-        try:
-            with env.begin() as txn:
-                names = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
-        finally:
-            env.close()
+        refuse it before a single table is added to it (opening the environment wrote nothing to it).
+        Read through this environment: a second one on the same files in one process would drop
+        LMDB's per-process file locks when closed."""
+        for _ in range(100):
+            try:
+                with self._env.begin() as txn:
+                    names = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
+                break
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)
+        else:
+            self._env.close()
+            raise StoreError(f"{self.path}: the map kept being resized by other processes")
         foreign = names - {_ENTRIES, _ACCESS, _QUARANTINE, _META}
         if foreign:
+            self._env.close()
             shown = ", ".join(sorted(n.decode("utf-8", "replace") for n in foreign)[:5])
             raise StoreError(f"{self.path} holds another program's LMDB database (keys: {shown}); "
                              "it is not a cacheclip store and was left untouched")
@@ -448,7 +450,7 @@ class LMDBStore:
                              f"page ends at {needed:,}. Restore it from a copy, or move it away to start empty.")
 
     def _has_db(self, name: bytes) -> bool:
-        with self._env.begin() as txn:
+        with self._env.begin() as txn:  # MapResizedError here is retried by the caller's loop
             return txn.get(name) is not None
 
     @property
