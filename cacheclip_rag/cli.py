@@ -30,7 +30,7 @@ DEMO_QUESTIONS = (
 
 def demo_chunks() -> list[str]:
     text = files("cacheclip_rag").joinpath("data/observatory_handbook.md").read_text(encoding="utf-8")
-    return split_sections(text)
+    return [c for c in split_sections(text) if c.startswith("## ")]  # the handbook's preamble is its title alone
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
