@@ -2,6 +2,7 @@
 with the tiny Llama."""
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,9 @@ from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 from tests.test_redis import RedisServer  # noqa: E402
 
+# the workers cannot import this test module: its functions travel by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
 TEXTS = [f"Note {i}: the harbour light number {i} is painted {('red', 'green', 'white')[i % 3]}." for i in range(24)]
 
 
@@ -26,27 +30,37 @@ def cluster():
     ray.shutdown()
 
 
+def dies_once(marker: str):
+    """The tiny Llama, whose process exits in the middle of a batch the first time any worker runs a
+    forward after `marker` appears: a deterministic worker death mid-ingest."""
+    import os
+
+    lm = tiny_model("llama")
+
+    def maybe_die(*_):
+        try:
+            os.remove(marker)  # exactly one worker wins the removal
+        except FileNotFoundError:
+            return
+        os._exit(1)
+
+    lm.model.register_forward_pre_hook(maybe_die)
+    return lm
+
+
 @pytest.mark.slow  # a Ray cluster and five actors: about a minute on two cores
 def test_ray_ingest_equals_local_ingest_survives_a_killed_actor_and_reruns_nothing(cluster, tmp_path):
     server = RedisServer(tmp_path)
+    marker = tmp_path / "die-now"
     try:
         store_factory = functools.partial(RedisStore, server.unix_url)
-        model_factory = functools.partial(tiny_model, "llama")
-        killed = []
-
-        def kill_one(actors):  # one worker dies mid-ingest; Ray restarts it and retries its batch
-            import threading
-            import time
-
-            def later():
-                time.sleep(1.0)
-                ray.kill(actors[1], no_restart=False)
-                killed.append(1)
-            threading.Thread(target=later, daemon=True).start()
-
+        model_factory = functools.partial(dies_once, str(marker))
+        # armed once the driver has its keys: the first worker to compute a batch dies inside it;
+        # Ray restarts it and retries the batch
         keys, computed = ingest_on_ray(model_factory, store_factory, TEXTS, "Be brief.", workers=2, batch_size=2,
-                                       progress=False, on_started=kill_one)
-        assert killed and computed == len(TEXTS)
+                                       progress=False, on_started=lambda actors: marker.touch())
+        assert not marker.exists()  # a worker did die mid-batch
+        assert computed == len(TEXTS)
         lm = tiny_model("llama")
         with LMDBStore(tmp_path / "local") as local:
             local_keys = precompute(lm, local, TEXTS, "Be brief.", SHARED, progress=False)
