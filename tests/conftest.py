@@ -81,3 +81,15 @@ def forked(target, args: tuple, count: int = 1):
                 child.kill()
                 child.join(timeout=5)
         queue.close()
+
+
+def exit_code_in_fork(target, *args, timeout: float = 300) -> int | None:
+    """Run `target(*args)` in a forked daemon child and return its exit code; a child still running
+    after `timeout` is killed (its code is then the kill's), so a hang fails the test, not the suite."""
+    child = multiprocessing.get_context("fork").Process(target=target, args=args, daemon=True)
+    child.start()
+    child.join(timeout=timeout)
+    if child.is_alive():
+        child.kill()
+        child.join(timeout=5)
+    return child.exitcode

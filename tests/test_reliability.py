@@ -5,7 +5,6 @@ directory. The 50-kill run is `bench/stress_store.py`; here a shorter one keeps 
 """
 
 import hashlib
-import multiprocessing
 import os
 import random
 import signal
@@ -23,7 +22,7 @@ from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.ingest import SHARED, precompute
 from cacheclip_rag.store import ChunkEntry, LMDBStore, StoreError, StoreFullError, decode_entry, entry_key
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import forked, max_diff
+from tests.conftest import exit_code_in_fork, forked, max_diff
 from tests.stress.workers import FINGERPRINT, check_entry, read_all, synthetic_entry, synthetic_key, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,12 +205,7 @@ def _fill_small_filesystem(path: str) -> None:
 
 
 def test_full_disk_gives_a_clear_error_and_loses_nothing(tmp_path):
-    proc = multiprocessing.get_context("fork").Process(target=_fill_small_filesystem, args=(str(tmp_path),), daemon=True)
-    proc.start()
-    proc.join(timeout=300)
-    if proc.is_alive():
-        proc.kill()
-    assert proc.exitcode == 3  # StoreFullError, not a crash
+    assert exit_code_in_fork(_fill_small_filesystem, str(tmp_path)) == 3  # StoreFullError, not a crash
     stored = committed(tmp_path, 5000)
     assert len(stored) > 10 and stored == list(range(len(stored)))
 

@@ -4,7 +4,6 @@ read-only stores, full disks, and bad arguments. Scenarios that crashed the proc
 SIGBUS) run in a child process, so a regression is one failing test, not a dead test run."""
 
 import json
-import multiprocessing
 import os
 import signal
 import struct
@@ -20,7 +19,7 @@ from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.store import (FORMAT_VERSION, ChunkEntry, LMDBStore, StoreError, StoreFullError, _checksum,
                                  encode_entry)
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import max_diff
+from tests.conftest import exit_code_in_fork, max_diff
 from tests.stress.workers import FINGERPRINT, read_all, synthetic_entry, synthetic_key, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,12 +248,7 @@ def _fill_then_maintain(path: str) -> None:
 
 
 def test_full_disk_keeps_reads_working_and_compaction_fails_cleanly(tmp_path):
-    proc = multiprocessing.get_context("fork").Process(target=_fill_then_maintain, args=(str(tmp_path),), daemon=True)
-    proc.start()
-    proc.join(timeout=300)
-    if proc.is_alive():
-        proc.kill()
-    assert proc.exitcode == 3
+    assert exit_code_in_fork(_fill_then_maintain, str(tmp_path)) == 3
     with LMDBStore(tmp_path) as store:
         assert read_all(store, 60) == 30
 
