@@ -38,6 +38,24 @@ class AttentionProbe:
     weights: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ChunkScaling:
+    """APE's query-time attention over parallel-encoded chunks (Yang et al., ICLR 2025).
+
+    Keys in cache rows [start, stop) are the chunks. A query's logits on them are divided by
+    `temperature`, and the chunks' total weight exp(LSE_chunks) becomes exp(scale * temperature *
+    LSE_chunks(x / temperature)) against the unchanged weight of every other key (prefix, question,
+    answer): the two-block combination of APE's reference kernel, written as one softmax over
+    logits offset by (scale * temperature - 1) * LSE_chunks.
+    """
+
+    start: int
+    stop: int
+    temperature: float
+    scale: float
+    row_positions: torch.Tensor | None = None  # position of every cache row (chunks overlap), for the masks
+
+
 @dataclass
 class ForwardContext:
     """Per-forward information the attention function needs beyond what transformers passes."""
@@ -45,6 +63,7 @@ class ForwardContext:
     query_positions: torch.Tensor  # [B, Tq] absolute positions of the query rows
     kernel: SelectedRowsKernel | None = None
     probes: dict[int, AttentionProbe] = field(default_factory=dict)
+    chunk_scaling: ChunkScaling | None = None
 
 
 def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
@@ -58,6 +77,25 @@ def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
     return out, probs
+
+
+def chunk_scaled_attention(query, key, value, mask, scaling, softcap, chunks: ChunkScaling) -> torch.Tensor:
+    """Attention [B, Tq, H, D] with APE's temperature and scale on the chunk rows (see `ChunkScaling`)."""
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask.float()
+    start, stop = chunks.start, min(chunks.stop, scores.shape[-1])
+    inside = scores[..., start:stop] / chunks.temperature
+    lse = torch.logsumexp(inside, dim=-1, keepdim=True)
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no chunk row visible (window)
+    inside = inside + (chunks.scale * chunks.temperature - 1.0) * lse
+    scores = torch.cat([scores[..., :start], inside, scores[..., stop:]], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
 
 
 # The forward context is per thread: aux selection runs in a worker thread while the main thread
@@ -76,6 +114,8 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
         if probe is not None:
             out, probe.weights = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
             return out, None
+        if context.chunk_scaling is not None:
+            return chunk_scaled_attention(query, key, value, attention_mask, scaling, softcap, context.chunk_scaling), None
         if context.kernel is not None:
             out = context.kernel(
                 query, key, value, context.query_positions,
@@ -92,7 +132,7 @@ def cacheclip_mask(*args, **kwargs):
     """transformers' sdpa mask, except under a kernel that masks by position itself: then no mask is
     built at all (a [Tq, N] mask at 16K tokens is hundreds of MB that nothing would read)."""
     context: ForwardContext | None = getattr(_active, "context", None)
-    if context is not None and context.kernel is not None and not context.probes:
+    if context is not None and context.kernel is not None and not context.probes and context.chunk_scaling is None:
         return None
     return sdpa_mask(*args, **kwargs)
 
@@ -119,19 +159,25 @@ def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
 
 
 def position_masks(
-    model: PreTrainedModel, query_positions: torch.Tensor, kv_length: int, dtype: torch.dtype
+    model: PreTrainedModel, query_positions: torch.Tensor, kv_length: int, dtype: torch.dtype, *,
+    query_slots: torch.Tensor | None = None, key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor | None] | None:
     """Additive masks [B, 1, Tq, kv_length] for queries at `query_positions` [B, Tq].
 
-    Returns a dict keyed by layer type when the model has `layer_types` (Gemma 3, Qwen2), else one
-    tensor. A full-attention mask is None when the queries are exactly 0..kv_length-1, so sdpa can
-    take its causal fast path.
+    A query sees the cache rows up to its own; a sliding-window layer also needs the key within the
+    window of the query's position. Rows are positions unless `query_slots` [B, Tq] (the queries'
+    rows) and `key_positions` [>= kv_length] (each row's position) say otherwise, as under APE, whose
+    chunks share positions. Returns a dict keyed by layer type when the model has `layer_types`
+    (Gemma 3, Qwen2), else one tensor. A full-attention mask is None when the queries are exactly
+    rows 0..kv_length-1 at their own positions, so sdpa can take its causal fast path.
     """
     config = text_config(model)
     device = query_positions.device
     kv_idx = torch.arange(kv_length, device=device)
     q = query_positions[:, None, :, None]  # [B, 1, Tq, 1]
-    contiguous = query_positions.shape[-1] == kv_length and bool(
+    q_row = q if query_slots is None else query_slots.to(device)[:, None, :, None]
+    key_pos = kv_idx if key_positions is None else key_positions.to(device)[:kv_length]
+    contiguous = query_slots is None and key_positions is None and query_positions.shape[-1] == kv_length and bool(
         (query_positions == kv_idx).all()
     )
     neg = torch.finfo(dtype).min
@@ -139,12 +185,12 @@ def position_masks(
     def additive(allowed: torch.Tensor) -> torch.Tensor:
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, neg)
 
-    full = None if contiguous else additive(kv_idx <= q)
+    full = None if contiguous else additive(kv_idx <= q_row)
     types = set(layer_types(model))
     if not hasattr(config, "layer_types") or config.layer_types is None:
         return full
     masks: dict[str, torch.Tensor | None] = {"full_attention": full}
     if "sliding_attention" in types:
         window = config.sliding_window
-        masks["sliding_attention"] = additive((kv_idx <= q) & (kv_idx > q - window))
+        masks["sliding_attention"] = additive((kv_idx <= q_row) & (key_pos > q - window))
     return masks

@@ -8,7 +8,11 @@ from pathlib import Path
 
 from .models import DEFAULT_SYSTEM_PROMPT, cache_dir
 
-METHODS = ("full", "direct", "shared_prefix", "cacheblend", "cacheclip", "oracle")
+METHODS = ("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle")
+
+# APE (Yang et al., ICLR 2025): attention temperature and scaling factor on the parallel-encoded chunks
+APE_TEMPERATURE = 0.9
+APE_SCALE = 0.9
 
 
 def is_redis_url(location: str) -> bool:
@@ -98,10 +102,12 @@ class RequestOptions:
     prompt_stops: bool = True  # end at the prompt format's stop strings (False: only `stop` and the budget)
     exact_budget: bool = True  # ratio = share of chunk tokens recomputed; False: the paper's nominal top-k
     sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
+    ape_temperature: float = APE_TEMPERATURE  # method "ape": chunk logits are divided by it (< 1 sharpens)
+    ape_scale: float = APE_SCALE  # method "ape": the chunks' share of attention is raised to scale x temperature
 
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens)
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "ape_temperature", "ape_scale"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(getattr(self, name)).__name__}")
         if self.seed is not None:
@@ -121,5 +127,8 @@ class RequestOptions:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if math.isnan(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("ape_temperature", "ape_scale"):
+            if not 0.0 < getattr(self, name) <= 4.0:
+                raise ValueError(f"{name} must be in (0, 4], got {getattr(self, name)}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

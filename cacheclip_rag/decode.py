@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .attention import ChunkScaling
 from .cache import BlendedCache
 from .models import LoadedModel
 from .recompute import forward_at
@@ -32,9 +33,12 @@ def decode_tokens(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    rope_shift: int = 0,
+    chunk_scaling: ChunkScaling | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` ids; the first comes from `first_logits`, the next token is
-    written at `position`, `position + 1`, ... Stops after an end-of-sequence id."""
+    written at `position`, `position + 1`, ... (cache rows; its RoPE position is the row minus
+    `rope_shift`, for APE's parallel positions). Stops after an end-of-sequence id."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     logits = first_logits
     for step in range(max_new_tokens):
@@ -42,8 +46,12 @@ def decode_tokens(
         yield token
         if token in lm.eos_token_ids or step == max_new_tokens - 1:
             return
-        ids = torch.tensor([[token]])
-        logits = forward_at(lm.model, cache, ids, torch.tensor([[position + step]]))[0, -1]
+        ids, row = torch.tensor([[token]]), position + step
+        if rope_shift or chunk_scaling is not None:
+            logits = forward_at(lm.model, cache, ids, torch.tensor([[row - rope_shift]]), slots=torch.tensor([row]),
+                                chunk_scaling=chunk_scaling)[0, -1]
+        else:
+            logits = forward_at(lm.model, cache, ids, torch.tensor([[row]]))[0, -1]
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

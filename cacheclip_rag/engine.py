@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .align import map_selection
-from .attention import SelectedRowsKernel, use_cacheclip_attention
+from .attention import ChunkScaling, SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
@@ -102,6 +102,8 @@ class Prefill:
     logits: torch.Tensor  # [V] next-token logits after the question
     recomputed_positions: torch.Tensor  # chunk positions whose K/V were recomputed
     timings: Timings
+    rope_shift: int = 0  # cache row minus RoPE position for the question and answer (APE's parallel positions)
+    chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
 
 
 @dataclass
@@ -221,11 +223,39 @@ class Engine:
         """Answer `question` over `texts`; iterate the result for text pieces as they decode."""
         options = options or RequestOptions()
         started = time.perf_counter()
+        plan, prefill = self.prefill(question, texts, options)
+        return self.decode(plan, prefill, options, started)
+
+    def prefill(self, question: str, texts: Sequence[str], options: RequestOptions) -> tuple[Plan, Prefill]:
+        """The request's prompt layout and its method's prefill (cache and first-token logits)."""
         plan = self.plan(question, texts, options)
-        prefill = PREFILLS[options.method](self, plan, options)
+        return plan, PREFILLS[options.method](self, plan, options)
+
+    def decode(self, plan: Plan, prefill: Prefill, options: RequestOptions, started: float | None = None) -> Stream:
+        """Decode from a prefill; TTFT counts from `started` (default: now)."""
         stream = Stream(iter(()))
-        stream.pieces = self._decode(plan.length, options, prefill, started, stream)
+        stream.pieces = self._decode(plan.length, options, prefill,
+                                     time.perf_counter() if started is None else started, stream)
         return stream
+
+    def teacher_forced_logits(self, plan: Plan, prefill: Prefill, tokens: Sequence[int]) -> torch.Tensor:
+        """Next-token logits [len(tokens), V] along `tokens` written after the question: row i is the
+        distribution of tokens[i] given tokens[:i]. Writes the answer rows of the prefill's cache (a
+        later decode of the same prefill overwrites them before reading), never the prompt's rows."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("teacher forcing needs at least one token")
+        if plan.length + len(tokens) > prefill.cache.capacity:
+            raise ValueError(f"{len(tokens)} forced tokens do not fit the cache's {prefill.cache.capacity - plan.length} "
+                             "answer rows (raise max_new_tokens)")
+        rows = [prefill.logits[None]]
+        if len(tokens) > 1:
+            slots = torch.arange(plan.length, plan.length + len(tokens) - 1)
+            logits = forward_at(self.primary.model, prefill.cache, torch.tensor([tokens[:-1]]),
+                                (slots - prefill.rope_shift)[None], slots=slots, logits_to_keep=len(tokens) - 1,
+                                chunk_scaling=prefill.chunk_scaling)[0]
+            rows.append(logits.to(prefill.logits.dtype))
+        return torch.cat(rows)
 
     def complete(self, prompt: str, options: RequestOptions | None = None) -> Stream:
         """Plain generation from a whole prompt (no chunks, no reuse): full prefill, then decode.
@@ -257,7 +287,8 @@ class Engine:
     def _decode(self, length: int, options: RequestOptions, prefill: Prefill, started: float, stream: Stream) -> Iterator[str]:
         lm, timings = self.primary, prefill.timings
         tokens = decode_tokens(lm, prefill.cache, prefill.logits, length, options.max_new_tokens,
-                               options.temperature, options.top_p, options.seed)
+                               options.temperature, options.top_p, options.seed,
+                               rope_shift=prefill.rope_shift, chunk_scaling=prefill.chunk_scaling)
         generated: list[int] = []
         pieces: list[str] = []
         for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*(lm.prompt.stop_strings if options.prompt_stops else ()), *options.stop), generated):
@@ -273,8 +304,10 @@ class Engine:
 
     # ---- building blocks ---------------------------------------------------------------------
 
-    def blended_cache(self, plan: Plan, options: RequestOptions, shared: bool) -> BlendedCache:
-        """One prefix, then every chunk's cached rows moved to its offset in the prompt."""
+    def blended_cache(self, plan: Plan, options: RequestOptions, shared: bool, reposition: bool = True) -> BlendedCache:
+        """One prefix, then every chunk's cached rows at its offset in the prompt: its keys re-rotated
+        to the contiguous positions there, or (`reposition=False`, APE) left at the positions they were
+        computed at, right behind the prefix, so the chunks' positions overlap."""
         lm = self.primary
         prefix, entries = self.entries(lm, plan.texts, SHARED if shared else DIRECT)
         cache = new_cache(lm, plan.length + options.max_new_tokens)
@@ -283,7 +316,8 @@ class Engine:
         for offset, entry, ids in zip(plan.chunk_offsets, entries, plan.chunk_ids):
             if entry.token_ids != ids:
                 raise RuntimeError("stored chunk tokens differ from the prompt's: the tokenizer changed under the store")
-            cache.place(offset, rotate_keys(lm.model, entry.keys, offset - computed_at), entry.values)
+            keys = rotate_keys(lm.model, entry.keys, offset - computed_at) if reposition else entry.keys
+            cache.place(offset, keys, entry.values)
         return cache
 
     def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor) -> torch.Tensor:
@@ -413,6 +447,29 @@ def _prefill_shared_prefix(engine: Engine, plan: Plan, options: RequestOptions) 
     return _reuse(engine, plan, options, shared=True)
 
 
+def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """APE: chunks encoded in parallel behind the shared prefix (each keeps the positions it was computed
+    at), the question at the position after the longest chunk, and APE's temperature and scale on the
+    chunk rows for every query token, the answer's included. Nothing is recomputed."""
+    timings = Timings()
+    t0 = _now(engine, options)
+    cache = engine.blended_cache(plan, options, shared=True, reposition=False)
+    t1 = _now(engine, options)
+    longest = max((len(c) for c in plan.chunk_ids), default=0)
+    shift = plan.question_start - (plan.prefix_len + longest)
+    rows = torch.arange(cache.capacity) - shift  # question and answer rows: after the longest chunk
+    rows[: plan.prefix_len] = torch.arange(plan.prefix_len)
+    for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids):
+        rows[offset:offset + len(ids)] = torch.arange(plan.prefix_len, plan.prefix_len + len(ids))
+    scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
+    slots = plan.question_positions()
+    ids = torch.tensor([list(plan.question_ids)])
+    logits = forward_at(engine.primary.model, cache, ids, (slots - shift)[None], slots=slots,
+                        chunk_scaling=scaling)[0, -1]
+    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
+    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings, rope_shift=shift, chunk_scaling=scaling)
+
+
 def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
     """Aux selection runs in a thread while the primary's caches load; then recompute."""
     timings = Timings()
@@ -474,6 +531,7 @@ PREFILLS: dict[str, Callable[[Engine, Plan, RequestOptions], Prefill]] = {
     "full": _prefill_full,
     "direct": _prefill_direct,
     "shared_prefix": _prefill_shared_prefix,
+    "ape": _prefill_ape,
     "cacheblend": _prefill_cacheblend,
     "cacheclip": _prefill_cacheclip,
     "oracle": _prefill_oracle,

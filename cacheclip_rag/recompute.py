@@ -14,7 +14,7 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from .attention import AttentionProbe, ForwardContext, SelectedRowsKernel, forward_context, position_masks
+from .attention import AttentionProbe, ChunkScaling, ForwardContext, SelectedRowsKernel, forward_context, position_masks
 from .kernels.selected_attention import check_positions
 from .cache import BlendedCache
 
@@ -44,26 +44,35 @@ def forward_at(
     kernel: SelectedRowsKernel | None = None,
     logits_to_keep: int = 1,
     base_model_only: bool = False,
+    chunk_scaling: ChunkScaling | None = None,
 ) -> torch.Tensor:
     """Run `input_ids` [B, T] at RoPE `positions` [B, T], writing K/V at cache rows `slots` [T].
 
     `slots` defaults to `positions[0]` (the blended cache is addressed by position); `mask`
-    defaults to the causal-by-position masks. Returns logits [B, logits_to_keep, V], or the last
-    hidden states when `base_model_only`.
+    defaults to the causal-by-position masks (under `chunk_scaling`, APE: causal by row, windows by
+    the rows' positions); `chunk_scaling` applies APE's attention on chunk rows (eager; no kernel). Returns logits
+    [B, logits_to_keep, V], or the last hidden states when `base_model_only`.
     """
     device = cache.layers[0].keys.device
     input_ids, positions = input_ids.to(device), positions.to(device)
     cache.write_at(positions[0] if slots is None else slots.to(device))
     query_positions = positions
+    if chunk_scaling is not None:
+        kernel = None
     if kernel is not None and not probes:
         # the kernel masks by position: no mask is built (see attention.cacheclip_mask); its int32
         # positions are converted and checked once here, not in every layer
         query_positions = positions.to(torch.int32)
         check_positions(query_positions, cache.visible_length)
         kernel = functools.partial(kernel, validate=False)
+    elif mask is None and chunk_scaling is not None:
+        rows = positions[0] if slots is None else slots.to(device)
+        mask = position_masks(model, positions, cache.visible_length, cache.layers[0].keys.dtype,
+                              query_slots=rows[None].expand_as(positions), key_positions=chunk_scaling.row_positions)
     elif mask is None:
         mask = position_masks(model, positions, cache.visible_length, cache.layers[0].keys.dtype)
-    context = ForwardContext(query_positions=query_positions, kernel=kernel, probes=probes or {})
+    context = ForwardContext(query_positions=query_positions, kernel=kernel, probes=probes or {},
+                             chunk_scaling=chunk_scaling)
     with forward_context(context):
         if base_model_only:
             base = model.model
