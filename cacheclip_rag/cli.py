@@ -261,23 +261,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.variants:
         profile = replace(profile, variants=tuple(args.variants.split(",")))
     if args.samples:
-        profile = replace(profile, samples=args.samples)
+        samples = tuple(int(x) for x in args.samples.split(","))
+        profile = replace(profile, samples=samples[0] if len(samples) == 1 else samples)
+    if args.alignment_samples is not None:
+        profile = replace(profile, alignment_samples=args.alignment_samples)
     if args.alignment_lengths:
         profile = replace(profile, alignment_lengths=tuple(int(x) for x in args.alignment_lengths.split(",")))
     config = _config(args)
     if not args.store:
         config = replace(config, store_path=cache_dir() / "eval-store")
+    for length in profile.lengths:
+        profile.samples_at(length)  # one count per length, checked before the models load
+    unknown = [v for v in profile.variants if v not in runner.VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(runner.VARIANTS)}")
+    out = Path(args.out)
     engine = Engine.from_config(config)
-    records = runner.run(engine, profile, seed=args.seed)
-    alignment, maps = runner.alignment_study(engine, profile.alignment_lengths, seed=args.seed) if engine.aux else ([], {})
+    limit = args.limit_minutes * 60 if args.limit_minutes else None
+    records = runner.run(engine, profile, seed=args.seed, out_dir=out, limit_s=limit)
+    if not records:
+        print(f"no sample finished within the time limit; rerun the same command to resume {out}")
+        return 0
+    alignment, maps = [], {}
+    if engine.aux and profile.alignment_lengths and profile.alignment_samples:
+        alignment, maps = runner.alignment_study(engine, profile.alignment_lengths, seed=args.seed,
+                                                 samples=profile.alignment_samples, progress=True)
     meta = {
         "date": datetime.date.today().isoformat(), "command": "cacheclip " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, device {config.device}",
         "models": f"primary {engine.primary.name}, aux {engine.aux.name if engine.aux else None}",
-        "profile": f"{profile.name}: lengths {profile.lengths}, {len(profile.tasks)} tasks x {profile.samples} samples, "
-                   f"ratios {profile.ratios}, greedy, {profile.max_new_tokens} new tokens, answer primed",
+        "profile": f"{profile.name}: lengths {profile.lengths}, {len(profile.tasks)} tasks x {profile.samples} samples "
+                   f"per length, ratios {profile.ratios}, greedy, RULER wording; decode budget per sample fits its "
+                   f"references (+8 tokens), ending once every reference is out",
+        "samples done": f"{len({(r.task, r.length, r.seed) for r in records})} of {len(runner.jobs_of(profile, args.seed))}",
     }
-    paths = report.write(Path(args.out), records, alignment, maps, meta, profile.headline_ratio)
+    paths = report.write(out, records, alignment, maps, meta, profile.headline_ratio)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
@@ -354,15 +372,19 @@ def parser() -> argparse.ArgumentParser:
     query.set_defaults(func=cmd_query)
 
     evaluate = with_models(sub.add_parser("eval", help="RULER retrieval, fidelity and alignment evaluation"))
-    evaluate.add_argument("--profile", default="quick", choices=("quick", "full"))
+    evaluate.add_argument("--profile", default="quick", choices=("quick", "power", "full"))
     evaluate.add_argument("--tasks", default=None, help="comma-separated subset of the RULER tasks")
     evaluate.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens")
     evaluate.add_argument("--ratios", default=None, help="comma-separated recompute ratios")
     evaluate.add_argument("--variants", default=None, help="comma-separated methods and ablations")
-    evaluate.add_argument("--samples", type=int, default=None, help="samples per task and length")
+    evaluate.add_argument("--samples", default=None, help="samples per task: one count, or one per length (25,13)")
+    evaluate.add_argument("--alignment-samples", type=int, default=None, help="prose samples per alignment length")
+    evaluate.add_argument("--limit-minutes", type=float, default=None,
+                          help="start no new sample after this long; rerun the same command to resume")
     evaluate.add_argument("--alignment-lengths", default=None, help="context lengths of the alignment study")
     evaluate.add_argument("--seed", type=int, default=0)
-    evaluate.add_argument("--out", default="eval-results")
+    evaluate.add_argument("--out", default="eval-results", help="run folder: records.jsonl is appended as samples "
+                          "finish, and a rerun resumes it")
     evaluate.set_defaults(func=cmd_eval)
 
     bench = sub.add_parser("bench", help="run a benchmark script: reuse, methods, kernel, transfer, ...")

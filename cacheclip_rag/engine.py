@@ -128,6 +128,7 @@ class Stream:
 
     pieces: Iterator[str]
     answer: Answer | None = None
+    token_ids: list[int] = field(default_factory=list)  # filled as tokens decode, also when iteration stops early
 
     def __iter__(self) -> Iterator[str]:
         return self.pieces
@@ -289,7 +290,7 @@ class Engine:
         tokens = decode_tokens(lm, prefill.cache, prefill.logits, length, options.max_new_tokens,
                                options.temperature, options.top_p, options.seed,
                                rope_shift=prefill.rope_shift, chunk_scaling=prefill.chunk_scaling)
-        generated: list[int] = []
+        generated = stream.token_ids
         pieces: list[str] = []
         for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*(lm.prompt.stop_strings if options.prompt_stops else ()), *options.stop), generated):
             pieces.append(piece)

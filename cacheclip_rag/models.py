@@ -80,6 +80,12 @@ class PromptFormat:
             stop_strings=("\n",),
         )
 
+    @classmethod
+    def ruler(cls) -> PromptFormat:
+        """RULER's raw layout: "{preamble}\n{context}\n{question}{answer prefix}" (context = the chunks,
+        one per line)."""
+        return cls(prefix_template="{system}\n", question_template="{question}", chunk_separator="\n")
+
 
 @dataclass(frozen=True)
 class Fingerprint:

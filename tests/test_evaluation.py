@@ -1,5 +1,6 @@
 """The evaluation harness: RULER generator and scorer, fidelity metrics, alignment metrics, runner."""
 
+import json
 import math
 import re
 from dataclasses import replace
@@ -9,7 +10,8 @@ import torch
 
 from cacheclip_rag.evaluation import report, ruler, runner
 from cacheclip_rag.evaluation.alignment import _spread, char_attention, compare
-from cacheclip_rag.evaluation.fidelity import first_token_kl, greedy_agreement
+from cacheclip_rag.evaluation.fidelity import (first_token_kl, greedy_agreement, sequence_log_likelihood,
+                                               teacher_forced_fidelity)
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import has_embedded_models
 
@@ -118,6 +120,24 @@ def test_greedy_agreement():
     assert greedy_agreement([], []) == 1.0
 
 
+def test_teacher_forced_fidelity_and_gold_likelihood():
+    torch.manual_seed(0)
+    full = torch.randn(5, 11)
+    tokens = [int(t) for t in full.argmax(-1)]
+    assert teacher_forced_fidelity(full, full.clone(), tokens) == (0.0, 1.0)
+    other = full.clone()
+    other[2] = torch.randn(11)
+    other[2, tokens[2]] = -10.0  # the method no longer picks full's token at step 2
+    kl, top1 = teacher_forced_fidelity(full, other, tokens)
+    assert top1 == 0.8
+    assert math.isclose(kl, first_token_kl(full[2], other[2]) / 5, rel_tol=1e-9)
+    probs = torch.softmax(full.double(), -1)
+    expected = sum(math.log(probs[i, t]) for i, t in enumerate(tokens))
+    assert math.isclose(sequence_log_likelihood(full, tokens), expected, rel_tol=1e-9)
+    with pytest.raises(ValueError):
+        teacher_forced_fidelity(full, other[:4], tokens)
+
+
 def test_alignment_metrics():
     x = torch.rand(200, generator=torch.Generator().manual_seed(0))
     same = compare(x, x.clone())
@@ -154,27 +174,102 @@ def test_runner_ratio_one_reproduces_full_and_report_is_written(make_engine, tmp
     engine = make_engine(lm)
     profile = replace(
         runner.PROFILES["quick"], lengths=(160,), tasks=("single1", "multiquery"), ratios=(1.0,),
-        variants=("full", "shared_prefix", "cacheclip", "cacheblend", "cacheclip_nogroup"), max_new_tokens=6,
+        variants=("full", "shared_prefix", "ape", "cacheclip", "cacheblend", "cacheclip_nogroup"), max_new_tokens=6,
     )
     records = runner.run(engine, profile, progress=False)
     by = {(r.task, r.variant): r for r in records}
-    assert len(records) == 2 * 5
+    assert len(records) == 2 * 6
     for task in profile.tasks:
-        assert by[(task, "full")].kl == 0.0 and by[(task, "full")].agreement == 1.0
+        full = by[(task, "full")]
+        assert full.kl == 0.0 and full.tf_kl == 0.0 and full.tf_top1 == 1.0 and full.gold_ll_delta == 0.0
+        assert full.gold_ll < 0
         for variant in ("cacheclip", "cacheblend", "cacheclip_nogroup"):  # ratio 1: everything recomputed
-            assert by[(task, variant)].kl < 1e-6 and by[(task, variant)].agreement == 1.0
-        assert by[(task, "shared_prefix")].kl > 1e-6  # a tiny random model still notices cross-chunk attention
-        assert by[(task, "full")].chunks >= 2
-    rows, maps = runner.alignment_study(engine, (160,))
-    assert [r.pair for r in rows] == ["aux_last vs pri_last", "pri_first vs pri_last"]
+            r = by[(task, variant)]
+            assert r.kl < 1e-6 and r.tf_kl < 1e-6 and r.tf_top1 == 1.0 and abs(r.gold_ll_delta) < 1e-3
+            assert 0.5 < r.recomputed_share <= 1.0  # cacheclip never recomputes chunk 0: it is exact already
+            assert r.output == full.output
+        for variant in ("shared_prefix", "ape"):  # a tiny random model still notices cross-chunk attention
+            assert by[(task, variant)].tf_kl > 1e-6 and by[(task, variant)].recomputed_share == 0.0
+        assert full.chunks >= 2
+    rows, maps = runner.alignment_study(engine, (160,), samples=2)
+    assert len(rows) == 2 * 2 and {r.pair for r in rows} == {"aux_last vs pri_last", "pri_first vs pri_last"}
     paths = report.write(tmp_path / "eval", records, rows, maps, {"profile": "test"}, 1.0)
     text = paths["markdown"].read_text()
-    assert "| cacheclip @ 1 |" in text and "Efficiency breakdown" in text and "Jaccard" in text
-    for name in ("score_vs_ratio", "tasks", "alignment"):
+    assert "| cacheclip @ 1 | 2 |" in text and "Efficiency breakdown" in text and "Jaccard" in text
+    assert "Paired differences" in text and "| 160 | 1 | cacheblend | tf_kl | 2 |" in text
+    for name in ("score_vs_ratio", "fidelity_vs_ratio", "paired", "tasks", "alignment"):
         assert paths[name].read_bytes()[:4] == b"\x89PNG"
     summary = runner.summary(records)
     full_row = next(r for r in summary["rows"] if r["variant"] == "full")
-    assert math.isclose(full_row["speedup"], 1.0)
+    assert math.isclose(full_row["speedup"], 1.0) and full_row["n"] == 2
+
+
+def test_runner_resumes_and_drops_a_line_cut_short(make_engine, tmp_path):
+    engine = make_engine(tiny_model("llama"))
+    profile = replace(runner.PROFILES["quick"], lengths=(160,), tasks=("single1", "single2"), samples=2,
+                      ratios=(0.5,), variants=("full", "cacheclip"), max_new_tokens=4)
+    out = tmp_path / "run"
+    first = runner.run(engine, profile, progress=False, out_dir=out, limit_s=0.0)  # stops after one sample
+    assert {(r.task, r.seed) for r in first} == {("single1", 0)}
+    lines = (out / runner.RECORDS_FILE).read_text().splitlines(keepends=True)
+    assert len(lines) == 1
+    # a run killed while appending its second sample leaves a cut line behind
+    (out / runner.RECORDS_FILE).write_text(lines[0] + lines[0][: len(lines[0]) // 2])
+    records = runner.run(engine, profile, progress=False, out_dir=out)
+    assert sorted({(r.task, r.seed) for r in records}) == [("single1", 0), ("single1", 1), ("single2", 0), ("single2", 1)]
+    stored = (out / runner.RECORDS_FILE).read_text().splitlines()
+    assert len(stored) == 4 and all(json.loads(line) for line in stored)
+    assert [r for r in records if (r.task, r.seed) == ("single1", 0)] == [r for r in first]
+    # a third run computes nothing and returns the same records
+    again = runner.run(engine, replace(profile), progress=False, out_dir=out)
+    assert again == records
+    with pytest.raises(ValueError, match="other profile"):
+        runner.run(engine, replace(profile, ratios=(0.3,)), progress=False, out_dir=out)
+
+
+def test_jobs_interleave_tasks_so_a_partial_run_is_balanced():
+    profile = replace(runner.PROFILES["power"], tasks=("single1", "single2"))
+    jobs = runner.jobs_of(profile)
+    assert len(jobs) == 2 * 25 + 2 * 13
+    assert jobs[:4] == [("single1", 1024, 0), ("single2", 1024, 0), ("single1", 1024, 1), ("single2", 1024, 1)]
+    assert jobs[49] == ("single2", 1024, 24) and jobs[50] == ("single1", 2048, 0)
+
+
+def test_a_perfect_reader_scores_one_on_every_task(make_engine, monkeypatch):
+    """No cap in the pipeline: a model that writes the gold answer (values across lines, as a model may)
+    scores 1 on every task type, under every method: the budget fits, no newline ends the answer."""
+    import cacheclip_rag.engine as engine_module
+
+    engine = make_engine(tiny_model("gemma3"))
+    count = runner.token_counter(engine)
+    answers: list[int] = []
+
+    def perfect(lm, cache, first_logits, position, max_new_tokens, *args, **kwargs):
+        assert len(answers) <= max_new_tokens
+        yield from answers
+
+    monkeypatch.setattr(engine_module, "decode_tokens", perfect)
+    profile = replace(runner.PROFILES["quick"], ratios=(0.2,), variants=("full", "ape", "cacheclip"))
+    for task in ruler.TASKS:
+        sample = ruler.generate(task, 200, 0, count)
+        answers[:] = engine.primary.encode(runner.gold_answer(sample).replace(", ", ",\n"))
+        records = runner.evaluate_sample(engine, sample, profile, count)
+        assert [r.score for r in records] == [1.0] * 3, (task, [r.output for r in records])
+
+
+def test_ruler_wording_is_rulers_own():
+    count = lambda text: len(text.split())  # noqa: E731
+    single = ruler.generate("single1", 200, 0, count)
+    key = single.needles[0].key
+    assert single.preamble == ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+                               "I will quiz you about the numbers afterwards.")
+    assert single.question == f"What are all the special magic numbers for {key} mentioned in the provided text?"
+    assert single.answer_prefix == f" The special magic numbers for {key} mentioned in the provided text are"
+    multi = ruler.generate("multiquery", 200, 0, count)
+    keys = [n.key for n in multi.needles[:4]]
+    assert f"for {keys[0]}, {keys[1]}, {keys[2]}, and {keys[3]} mentioned" in multi.question
+    assert "uuids" in ruler.generate("single3", 200, 0, count).preamble
+    assert runner.gold_answer(multi) == " " + ", ".join(multi.references[:3]) + ", and " + multi.references[3] + "."
 
 
 def test_runner_refuses_unknown_variants(make_engine):
@@ -193,8 +288,7 @@ def test_full_attention_on_gemma_passes_a_short_single1_floor(tmp_path):
     from cacheclip_rag.store import LMDBStore
 
     engine = Engine(primary=load_model("gemma3-270m"), store=LMDBStore(tmp_path), config=EngineConfig(store_path=tmp_path))
-    profile = replace(runner.PROFILES["quick"], lengths=(384,), tasks=("single1",), samples=3, variants=("full",),
-                      max_new_tokens=10)
+    profile = replace(runner.PROFILES["quick"], lengths=(384,), tasks=("single1",), samples=3, variants=("full",))
     records = runner.run(engine, profile, progress=False)
     assert len(records) == 3
     assert sum(r.score for r in records) / 3 >= 2 / 3, [r.output for r in records]

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import torch
 
-from .runner import AlignmentRow, Record, records_as_dicts, summary
+from .runner import AlignmentRow, Record, paired_differences, records_as_dicts, summary
+from .stats import bootstrap_ci
+
+ORDER = ["full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup",
+         "cacheclip_noprefix", "cacheclip_nominal"]
 
 
 def _label(row: dict) -> str:
@@ -22,44 +26,77 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _ci(e: dict, fmt: str = ".3f") -> str:
+    return f"{e['mean']:{fmt}} [{e['low']:{fmt}}, {e['high']:{fmt}}]"
+
+
 def _sorted_rows(rows: list[dict]) -> list[dict]:
-    order = ["full", "direct", "shared_prefix", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup", "cacheclip_noprefix"]
-    return sorted(rows, key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99, r["ratio"] or 0.0))
+    return sorted(rows, key=lambda r: (r.get("length", 0), ORDER.index(r["variant"]) if r["variant"] in ORDER else 99,
+                                       r["ratio"] or 0.0))
 
 
 def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headline_ratio: float) -> str:
-    s = summary(records)
-    rows = _sorted_rows(s["rows"])
+    rows = _sorted_rows(summary(records)["rows"])
     tasks = sorted({r.task for r in records}, key=lambda t: ("single" not in t, t))
-    out = ["### RULER scores (fraction of reference values found; retention = score / full)", ""]
-    out.append("| variant | " + " | ".join(tasks) + " | mean | retention | KL(full‖m) | greedy agree | recomputed |")
-    out.append("|---" * (len(tasks) + 6) + "|")
-    for r in rows:
-        cells = [_num(r["per_task"].get(t), ".2f") for t in tasks]
-        out.append(
-            f"| {_label(r)} | " + " | ".join(cells)
-            + f" | {r['score']:.3f} | {_num(r['retention'], '.2f')} | {r['kl']:.3f} | {r['agreement']:.2f} | {r['recompute_fraction']:.2f} |"
-        )
-    out += ["", f"### Efficiency breakdown at ratio {headline_ratio:g} (mean seconds; cacheclip overlaps select with load)", ""]
-    out.append("| variant | select | load | recompute | other | TTFT | speedup vs full |")
-    out.append("|---|---|---|---|---|---|---|")
+    out = []
+    for length in sorted({r["length"] for r in rows}):
+        mine = [r for r in rows if r["length"] == length]
+        out += [f"### {length}-token contexts: means with bootstrap 95% intervals (n samples each)", "",
+                "| variant | n | score | solved (Wilson) | KL(full‖m) over full's answer | top-1 agreement | "
+                "first-token KL | Δ log p(gold) vs full, nats | recomputed share | TTFT s | speedup |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            out.append(
+                f"| {_label(r)} | {r['n']} | {_ci(r['score'], '.2f')} | {_ci(r['solved'], '.2f')} | {_ci(r['tf_kl'])} "
+                f"| {_ci(r['tf_top1'], '.2f')} | {_ci(r['kl'])} | {_ci(r['gold_ll_delta'], '.2f')} "
+                f"| {r['recomputed_share']:.3f} | {r['ttft_s']:.2f} | {_num(r['speedup'], '.2f')}× |")
+        out += ["", f"Scores per task ({length} tokens; mean over samples)", "",
+                "| variant | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
+        for r in mine:
+            if r["ratio"] in (None, headline_ratio):
+                out.append(f"| {_label(r)} | " + " | ".join(_num(r["per_task"].get(t), ".2f") for t in tasks) + " |")
+        out.append("")
+    paired = paired_differences(records)
+    if paired:
+        out += ["### Paired differences, cacheclip − other (same samples; bootstrap 95% interval; sign test)", "",
+                "Lower is better for the KLs; higher for score, top-1 agreement and Δ log p(gold). ✓: the interval "
+                "excludes zero.", "",
+                "| length | ratio | other | metric | n | mean difference [95% CI] | cacheclip higher / lower | p | |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for d in paired:
+            out.append(f"| {d['length']} | {d['ratio']:g} | {d['other']} | {d['metric']} | {d['n']} "
+                       f"| {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
+                       f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
+    out += ["", f"### Efficiency breakdown at ratio {headline_ratio:g} (mean seconds; cacheclip overlaps select with load)", "",
+            "| length | variant | select | load | recompute | other | TTFT | speedup vs full |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["ratio"] not in (None, headline_ratio):
             continue
         overlapped = r["variant"].startswith("cacheclip")
         before = max(r["select_s"], r["load_s"]) if overlapped else r["select_s"] + r["load_s"]
         other = max(0.0, r["ttft_s"] - before - r["recompute_s"])
-        out.append(
-            f"| {_label(r)} | {r['select_s']:.3f} | {r['load_s']:.3f} | {r['recompute_s']:.3f} | {other:.3f} "
-            f"| {r['ttft_s']:.3f} | {_num(r['speedup'], '.2f')}× |"
-        )
+        out.append(f"| {r['length']} | {_label(r)} | {r['select_s']:.3f} | {r['load_s']:.3f} | {r['recompute_s']:.3f} "
+                   f"| {other:.3f} | {r['ttft_s']:.3f} | {_num(r['speedup'], '.2f')}× |")
     if alignment:
-        out += ["", "### Attention alignment (last token, characters; reference = primary last layer)", ""]
-        out.append("| length | pair | Jaccard top-20% | KL | Pearson | Spearman |")
-        out.append("|---|---|---|---|---|---|")
-        for a in alignment:
-            out.append(f"| {a.length} | {a.pair} | {a.jaccard:.3f} | {a.kl:.3f} | {a.pearson:.3f} | {a.spearman:.3f} |")
+        out += ["", "### Attention alignment (last token, characters; reference = primary last layer; "
+                "mean [bootstrap 95% CI] over samples)", "",
+                "| length | pair | n | Jaccard top-20% | KL | Pearson | Spearman |", "|---|---|---|---|---|---|---|"]
+        for (length, pair), group in _alignment_groups(alignment).items():
+            cells = [_ci(_as_dict(bootstrap_ci([getattr(a, m) for a in group]))) for m in ("jaccard", "kl", "pearson", "spearman")]
+            out.append(f"| {length} | {pair} | {len(group)} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def _as_dict(e) -> dict:
+    return {"mean": e.mean, "low": e.low, "high": e.high, "n": e.n}
+
+
+def _alignment_groups(alignment: Sequence[AlignmentRow]) -> dict[tuple[int, str], list[AlignmentRow]]:
+    groups: dict[tuple[int, str], list[AlignmentRow]] = {}
+    for a in alignment:
+        groups.setdefault((a.length, a.pair), []).append(a)
+    return groups
 
 
 def _pyplot():
@@ -72,24 +109,59 @@ def _pyplot():
     return plt
 
 
-def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
+def plot_metric_vs_ratio(records: Sequence[Record], metric: str, ylabel: str, path: Path) -> None:
+    """One panel per context length: ratio-taking methods as curves with 95% error bars, ratio-free
+    methods as horizontal lines with their interval shaded."""
     plt = _pyplot()
     rows = _sorted_rows(summary(records)["rows"])
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    baselines = iter([("black", "-"), ("gray", "--"), ("darkgray", ":"), ("silver", "-.")])
-    curves = iter(f"C{i}" for i in range(10))
-    for variant in dict.fromkeys(r["variant"] for r in rows):
-        mine = [r for r in rows if r["variant"] == variant]
-        if mine[0]["ratio"] is None:  # ratio-free methods: horizontal lines
-            color, style = next(baselines)
-            ax.axhline(mine[0]["score"], linestyle=style, linewidth=1.2, label=variant, color=color)
-        else:
-            ax.plot([r["ratio"] for r in mine], [r["score"] for r in mine], marker="o", label=variant, color=next(curves))
-    ax.set_xlabel("recompute ratio")
-    ax.set_ylabel("RULER score (mean over tasks)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8)
-    ax.set_title("Score vs recompute ratio")
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.2), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        mine = [r for r in rows if r["length"] == length]
+        baselines = iter([("black", "-"), ("gray", "--"), ("tab:brown", ":"), ("tab:olive", "-.")])
+        curves = iter(f"C{i}" for i in range(10))
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            own = [r for r in mine if r["variant"] == variant]
+            if own[0]["ratio"] is None:
+                color, style = next(baselines)
+                e = own[0][metric]
+                ax.axhline(e["mean"], linestyle=style, linewidth=1.2, color=color, label=f"{variant} (n={own[0]['n']})")
+                ax.axhspan(e["low"], e["high"], color=color, alpha=0.08)
+            else:
+                xs = [r["ratio"] for r in own]
+                ys = [r[metric]["mean"] for r in own]
+                err = [[r[metric]["mean"] - r[metric]["low"] for r in own], [r[metric]["high"] - r[metric]["mean"] for r in own]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=next(curves), label=f"{variant} (n={own[0]['n']})")
+        ax.set_xlabel("recompute ratio (share of chunk tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{length}-token contexts, 95% intervals")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
+    plot_metric_vs_ratio(records, "score", "RULER score (mean over samples)", path)
+
+
+def plot_paired(records: Sequence[Record], path: Path) -> None:
+    """Forest plot: cacheclip − other on teacher-forced KL and on score, with paired 95% intervals."""
+    plt = _pyplot()
+    diffs = paired_differences(records)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * max(4, len(diffs) // 5) + 1.5))
+    for ax, metric, title in ((axes[0], "tf_kl", "KL(full‖m) over full's answer (lower = closer)"),
+                              (axes[1], "score", "RULER score (higher = better)")):
+        mine = [d for d in diffs if d["metric"] == metric]
+        labels = [f"{d['length']} @ {d['ratio']:g} vs {d['other']} (n={d['n']})" for d in mine]
+        ys = list(range(len(mine)))
+        ax.errorbar([d["mean"] for d in mine], ys,
+                    xerr=[[d["mean"] - d["low"] for d in mine], [d["high"] - d["mean"] for d in mine]],
+                    fmt="o", capsize=3, color="C0")
+        ax.axvline(0.0, color="black", linewidth=0.8)
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"cacheclip − other: {title}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -97,7 +169,9 @@ def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
 
 def plot_tasks(records: Sequence[Record], ratio: float, path: Path) -> None:
     plt = _pyplot()
-    rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["ratio"] in (None, ratio)]
+    rows = _sorted_rows(summary(records)["rows"])
+    length = min(r["length"] for r in rows)
+    rows = [r for r in rows if r["length"] == length and r["ratio"] in (None, ratio)]
     tasks = sorted({r.task for r in records}, key=lambda t: ("single" not in t, t))
     fig, ax = plt.subplots(figsize=(max(7, len(tasks) * 1.1), 4))
     width = 0.8 / max(1, len(rows))
@@ -108,7 +182,7 @@ def plot_tasks(records: Sequence[Record], ratio: float, path: Path) -> None:
     ax.set_ylabel("score")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title(f"RULER per task, ratio {ratio:g}")
+    ax.set_title(f"RULER per task, {length} tokens, ratio {ratio:g} (n={rows[0]['n'] // max(1, len(tasks))} per task)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -135,14 +209,20 @@ def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[Alignmen
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         "json": out_dir / "results.json", "markdown": out_dir / "report.md",
-        "score_vs_ratio": out_dir / "score_vs_ratio.png", "tasks": out_dir / "tasks.png",
+        "score_vs_ratio": out_dir / "score_vs_ratio.png", "fidelity_vs_ratio": out_dir / "fidelity_vs_ratio.png",
+        "paired": out_dir / "paired.png", "tasks": out_dir / "tasks.png",
     }
-    body = {"meta": meta, "summary": summary(records), "records": records_as_dicts(records),
-            "alignment": [asdict(a) for a in alignment]}
+    body = {"meta": meta, "summary": summary(records), "paired": paired_differences(records),
+            "records": records_as_dicts(records), "alignment": [asdict(a) for a in alignment]}
     paths["json"].write_text(json.dumps(body, indent=1))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio))
     plot_score_vs_ratio(records, paths["score_vs_ratio"])
+    plot_metric_vs_ratio(records, "tf_kl", "KL(full‖method) over full's answer, nats", paths["fidelity_vs_ratio"])
+    if paired_differences(records):
+        plot_paired(records, paths["paired"])
+    else:
+        del paths["paired"]
     plot_tasks(records, headline_ratio, paths["tasks"])
     if maps:
         paths["alignment"] = out_dir / "alignment.png"

@@ -17,9 +17,14 @@ The noise haystack is RULER's repeated filler; the prose haystack is written fro
 about an imaginary coastal town (its sentences vary, so attention cannot lock onto a repetition).
 Needles are whole sentences placed at random sentence boundaries. Chunks are groups of whole
 sentences of about `chunk_tokens` tokens that overlap by about `overlap_tokens` (the paper's
-1000/50, scaled to the context), so a needle is never cut in two. The answer is primed with the
-start of the expected sentence ("The special magic number for X is:"), the needle's own pattern,
-which RULER also does for base models.
+1000/50, scaled to the context), so a needle is never cut in two.
+
+Wording is RULER's own (its `niah` template): the preamble "Some special magic numbers are hidden
+within the following text. Make sure to memorize it. I will quiz you about the numbers afterwards."
+(the shared prefix), the context, the question "What are all the special magic numbers for X
+mentioned in the provided text?" and RULER's answer prefix "The special magic numbers for X
+mentioned in the provided text are" (keys joined "a, b, c, and d" for multiquery); "uuids" for
+UUID values.
 
 Score (RULER `string_match_all`): the fraction of a sample's reference values found in the output.
 """
@@ -110,6 +115,7 @@ class Sample:
     question: str
     answer_prefix: str
     references: tuple[str, ...]  # values the answer must contain
+    preamble: str = ""  # RULER's instruction before the context: the shared prefix
 
     @property
     def context(self) -> str:
@@ -196,9 +202,9 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
     sentences = list(haystack)
     for needle in needles[: spec.queries * spec.values_per_key + spec.distractors]:
         sentences.insert(rng.randint(0, len(sentences)), needle.sentence)
-    question, prefix = _question(asked, spec)
+    preamble, question, prefix = ruler_wording(asked, spec.value_kind)
     references = tuple(n.value for n in needles if n.key in asked)
-    return Sample(task, seed, target_tokens, tuple(sentences), tuple(needles), question, prefix, references)
+    return Sample(task, seed, target_tokens, tuple(sentences), tuple(needles), question, prefix, references, preamble)
 
 
 def _parse_needle(sentence: str) -> Needle:
@@ -206,22 +212,15 @@ def _parse_needle(sentence: str) -> Needle:
     return Needle(head.split(" for ", 1)[1], value, sentence)
 
 
-def _question(keys: Sequence[str], spec: TaskSpec) -> tuple[str, str]:
-    noun = _noun_for(spec.value_kind, plural=False)
-    if spec.queries > 1:
-        listed = ", ".join(keys[:-1]) + f" and {keys[-1]}"
-        return (
-            f"What are all the special magic {noun}s for {listed} mentioned in the provided text?",
-            f" The special magic {noun}s for {listed} are:",
-        )
-    if spec.values_per_key > 1:
-        return (
-            f"What are all the special magic {noun}s for {keys[0]} mentioned in the provided text?",
-            f" The special magic {noun}s for {keys[0]} are:",
-        )
+def ruler_wording(keys: Sequence[str], value_kind: str) -> tuple[str, str, str]:
+    """RULER's niah preamble, question and answer prefix for the asked keys."""
+    values = _noun_for(value_kind, plural=True)
+    query = keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
     return (
-        f"What is the special magic {noun} for {keys[0]} mentioned in the provided text?",
-        f" The special magic {noun} for {keys[0]} is:",
+        f"Some special magic {values} are hidden within the following text. Make sure to memorize it. "
+        f"I will quiz you about the {values} afterwards.",
+        f"What are all the special magic {values} for {query} mentioned in the provided text?",
+        f" The special magic {values} for {query} mentioned in the provided text are",
     )
 
 
