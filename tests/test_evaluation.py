@@ -228,7 +228,7 @@ def test_runner_resumes_and_drops_a_line_cut_short(make_engine, tmp_path):
 
 
 def test_jobs_interleave_tasks_so_a_partial_run_is_balanced():
-    profile = replace(runner.PROFILES["power"], tasks=("single1", "single2"))
+    profile = replace(runner.PROFILES["power"], tasks=("single1", "single2"), lengths=(1024, 2048), samples=(25, 13))
     jobs = runner.jobs_of(profile)
     assert len(jobs) == 2 * 25 + 2 * 13
     assert jobs[:4] == [("single1", 1024, 0), ("single2", 1024, 0), ("single1", 1024, 1), ("single2", 1024, 1)]

@@ -99,14 +99,15 @@ PROFILES = {
         variants=("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle"),
         alignment_lengths=(1024,),
     ),
-    # the paired comparison at the headline budget, with power: 200 samples at 1K, 104 at 2K
+    # the paired comparison at the headline budget, with power: 104 samples at 2K (run first: the
+    # acceptance set), then 200 at 1K
     "power": Profile(
-        "power", lengths=(1024, 2048), tasks=ruler.TASKS, samples=(25, 13), ratios=(0.2,),
+        "power", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.2,),
         variants=MAIN_VARIANTS, alignment_lengths=(1024, 2048), alignment_samples=50,
     ),
     # every method and ablation over the ratio sweep (resumable; many hours on 2 CPU cores)
     "full": Profile(
-        "full", lengths=(1024, 2048), tasks=ruler.TASKS, samples=(25, 13), ratios=(0.05, 0.1, 0.2, 0.3, 0.5),
+        "full", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.2, 0.3, 0.5),
         variants=tuple(VARIANTS), alignment_lengths=(1024, 2048), alignment_samples=50,
     ),
 }
