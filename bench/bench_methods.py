@@ -1,81 +1,108 @@
-"""Every method at one ratio on real models: TTFT vs `full`, and fidelity of the first answer token.
+"""Every method at one ratio on real models, at several context lengths: TTFT against `full`, the
+recompute budget each actually spent, and first-token fidelity; CacheClip with the float aux and with
+its int8 dynamic-quantized copy (and how much of the float selection the int8 one keeps).
 
-Gemma 3 270M primary, SmolLM2-135M aux (cross-family), ~2K-token prompts of 4 chunks, CPU.
-Agreement: the method's greedy first answer token equals full attention's; KL(full || method) of
-the first-token distribution. Usage: python bench/bench_methods.py [--ratio 0.2] [--questions 5]
+Gemma 3 270M primary, SmolLM2-135M aux (cross-family), RULER prose samples (single2) chunked as the
+evaluation chunks them, CPU. Usage:
+    python bench/bench_methods.py [--lengths 2048,4096] [--ratio 0.2] [--samples 3] [--json bench/results/methods.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import QUESTIONS, engine_with, handbook_chunks  # noqa: E402
-
-from cacheclip_rag.config import RequestOptions
+from cacheclip_rag.config import EngineConfig, RequestOptions
+from cacheclip_rag.engine import Engine
+from cacheclip_rag.evaluation import ruler
+from cacheclip_rag.evaluation.fidelity import first_token_kl
+from cacheclip_rag.evaluation.runner import token_counter
 from cacheclip_rag.models import load_model
+from cacheclip_rag.store import LMDBStore
 
-VARIANTS = {  # label -> request options besides the ratio
-    "full": dict(method="full"),
-    "direct": dict(method="direct"),
-    "shared_prefix": dict(method="shared_prefix"),
-    "cacheblend": dict(method="cacheblend"),
-    "cacheclip": dict(method="cacheclip"),
-    "cacheclip (no grouping)": dict(method="cacheclip", grouping=False),
-    "oracle": dict(method="oracle"),
+VARIANTS = {  # label -> (engine, request options besides the ratio)
+    "full": ("float", dict(method="full")),
+    "shared_prefix": ("float", dict(method="shared_prefix")),
+    "ape": ("float", dict(method="ape")),
+    "cacheblend": ("float", dict(method="cacheblend")),
+    "cacheclip": ("float", dict(method="cacheclip")),
+    "cacheclip, int8 aux": ("int8", dict(method="cacheclip")),
 }
-
-
-def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    p = torch.log_softmax(p_logits.float(), -1)
-    q = torch.log_softmax(q_logits.float(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--primary", default="gemma3-270m")
-    ap.add_argument("--aux", default="smollm2-135m")
+    ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--ratio", type=float, default=0.2)
-    ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--sections", type=int, default=3)
-    ap.add_argument("--questions", type=int, default=len(QUESTIONS))
+    ap.add_argument("--samples", type=int, default=3, help="prose samples (questions) per length")
+    ap.add_argument("--json", default=None, help="write the rows here as JSON")
     args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
     torch.manual_seed(0)
-    primary = load_model(args.primary)
-    aux = primary if args.aux == args.primary else load_model(args.aux)
-    engine = engine_with(primary, aux)
-    chunks = handbook_chunks(args.chunks, args.sections)
-    engine.ingest(chunks, progress=False)
-    questions = QUESTIONS[: args.questions]
-    engine.generate(questions[0], chunks, RequestOptions(method="cacheclip", max_new_tokens=1))  # warm-up
-    stats: dict[str, dict[str, list[float]]] = {k: {} for k in VARIANTS}
-    for question in questions:
-        reference = None
-        for label, extra in VARIANTS.items():
-            answer = engine.generate(question, chunks, RequestOptions(ratio=args.ratio, max_new_tokens=1, **extra))
-            reference = answer if label == "full" else reference
-            t = answer.timings
-            row = stats[label]
-            for key, value in (("ttft", t.ttft_s), ("select", t.select_s), ("recompute", t.recompute_s),
-                               ("load", t.load_s), ("recomp", answer.recompute_fraction),
-                               ("agree", float(answer.token_ids[0] == reference.token_ids[0])),
-                               ("kl", kl(reference.first_logits, answer.first_logits))):
-                row.setdefault(key, []).append(value)
-    full_ttft = statistics.mean(stats["full"]["ttft"])
-    print(f"primary={args.primary} aux={args.aux} ratio={args.ratio} prompt~{engine.plan(questions[0], chunks, RequestOptions()).length} "
-          f"tokens, {len(questions)} questions, threads={torch.get_num_threads()} (means)")
-    print("| method | recomputed | load s | select s | recompute s | TTFT s | speedup | first-token agreement | KL(full‖m) |")
+    primary, aux = load_model("gemma3-270m"), load_model("smollm2-135m")
+    path = tempfile.mkdtemp(prefix="cacheclip-bench-")
+    config = EngineConfig(store_path=path)
+    engines = {"float": Engine(primary=primary, store=LMDBStore(path), config=config, aux=aux)}
+    engines["int8"] = Engine(primary=primary, store=engines["float"].store, aux=aux,
+                             config=replace(config, aux_quantization="int8"))
+    count = token_counter(engines["float"])
+    rows, overlaps = [], {}
+    for length in lengths:
+        samples = [ruler.generate("single2", length, seed, count) for seed in range(args.samples)]
+        stats: dict[str, dict[str, list[float]]] = {k: {} for k in VARIANTS}
+        overlaps[length] = []
+        for i, sample in enumerate(samples):
+            chunks = ruler.sample_chunks(sample, count)
+            engines["float"].ingest(chunks, progress=False, direct=False)
+            base = dict(ratio=args.ratio, max_new_tokens=1, answer_prefix=sample.answer_prefix)
+            if i == 0:  # warm-up at this length
+                for which in ("float", "int8"):
+                    engines[which].generate(sample.question, chunks, RequestOptions(method="cacheclip", **base))
+            full = None
+            for label, (which, extra) in VARIANTS.items():
+                engine = engines[which]
+                answer = engine.generate(sample.question, chunks, RequestOptions(**base, **extra))
+                full = answer if label == "full" else full
+                plan = engine.plan(sample.question, chunks, RequestOptions(**base, **extra))
+                chunk_tokens = plan.question_start - plan.prefix_len
+                t = answer.timings
+                row = stats[label]
+                for key, value in (("ttft", t.ttft_s), ("select", t.select_s), ("recompute", t.recompute_s),
+                                   ("load", t.load_s),
+                                   ("share", 1.0 if label == "full" else answer.recomputed_tokens / chunk_tokens),
+                                   ("kl", first_token_kl(full.first_logits, answer.first_logits))):
+                    row.setdefault(key, []).append(value)
+            options = RequestOptions(method="cacheclip", **base)
+            plan = engines["float"].plan(sample.question, chunks, options)
+            fp32 = set(engines["float"].positions_of(plan, engines["float"].aux_selection(plan, options)).tolist())
+            int8 = set(engines["int8"].positions_of(plan, engines["int8"].aux_selection(plan, options)).tolist())
+            overlaps[length].append(len(fp32 & int8) / max(1, len(fp32 | int8)))
+        full_ttft = statistics.mean(stats["full"]["ttft"])
+        for label, row in stats.items():
+            m = {k: statistics.mean(v) for k, v in row.items()}
+            rows.append({"length": length, "method": label, "n": len(samples), **m, "speedup": full_ttft / m["ttft"]})
+    print(f"primary=gemma3-270m aux=smollm2-135m ratio={args.ratio} samples/length={args.samples} "
+          f"threads={torch.get_num_threads()} (means over samples; recomputed = share of chunk tokens)")
+    print("| length | method | recomputed | load s | select s | recompute s | TTFT s | speedup vs full | first-token KL |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, row in stats.items():
-        m = {k: statistics.mean(v) for k, v in row.items()}
-        print(f"| {label} | {100 * m['recomp']:.1f}% | {m['load']:.3f} | {m['select']:.3f} | {m['recompute']:.3f} | "
-              f"{m['ttft']:.3f} | {full_ttft / m['ttft']:.2f}x | {100 * m['agree']:.0f}% | {m['kl']:.3f} |")
+    for r in rows:
+        print(f"| {r['length']} | {r['method']} | {100 * r['share']:.1f}% | {r['load']:.3f} | {r['select']:.3f} | "
+              f"{r['recompute']:.3f} | {r['ttft']:.3f} | {r['speedup']:.2f}x | {r['kl']:.3f} |")
+    for length, values in overlaps.items():
+        print(f"int8 vs float aux selection at {length}: Jaccard {statistics.mean(values):.3f} "
+              f"(min {min(values):.3f}, n={len(values)})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"ratio": args.ratio, "rows": rows,
+                                               "int8_selection_jaccard": overlaps}, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
 
 
 if __name__ == "__main__":

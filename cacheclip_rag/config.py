@@ -55,6 +55,7 @@ class EngineConfig:
     threshold: int = 5
     ingest_batch_size: int = 4
     device_cache_bytes: int = 0  # > 0: keep hot chunk caches resident on `device` (LRU), e.g. 8 << 30 on a GPU
+    aux_quantization: str | None = None  # "int8": the aux's selection pass runs int8 dynamic-quantized linears (CPU)
 
     def __post_init__(self) -> None:
         for name in ("window", "threshold", "ingest_batch_size", "device_cache_bytes"):
@@ -67,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:
             raise ValueError(f"threshold must be in [1, window={self.window}], got {self.threshold}")
+        if self.aux_quantization not in (None, "int8"):
+            raise ValueError(f"aux_quantization must be None or 'int8', got {self.aux_quantization!r}")
+        if self.aux_quantization is not None and self.aux_device != "cpu":
+            raise ValueError("aux_quantization='int8' is int8 dynamic quantization for the CPU: set aux_device='cpu'")
         if self.device_cache_bytes < 0:
             raise ValueError(f"device_cache_bytes must be >= 0, got {self.device_cache_bytes}")
         if self.ingest_batch_size < 1:

@@ -25,7 +25,7 @@ from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
 from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
                      validate_chunks)
-from .models import LoadedModel, load_model
+from .models import LoadedModel, int8_scorer, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys
 from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
@@ -154,6 +154,11 @@ class Engine:
         use_cacheclip_attention(self.primary.model)
         if self.aux is not None:
             use_cacheclip_attention(self.aux.model)
+        self.aux_scorer = None  # the module the aux's selection pass runs (its int8 copy when configured)
+        if self.aux is not None and self.config.aux_quantization == "int8":
+            if self.aux.device.type != "cpu":
+                raise ValueError("aux_quantization='int8' needs the aux on the CPU")
+            self.aux_scorer = int8_scorer(self.aux.model)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -338,7 +343,8 @@ class Engine:
         question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
         skip = 1 if options.shared_prefix else 0
         with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
-            scored = aux_scores(aux, prefix, entries[skip:], question_ids, question_rows) if len(entries) > skip else []
+            scored = (aux_scores(aux, prefix, entries[skip:], question_ids, question_rows, model=self.aux_scorer)
+                      if len(entries) > skip else [])
         scores = [torch.full((entries[0].num_tokens,), float("-inf"))] * skip + scored
         outside = [torch.tensor([start >= len(text) for start, _ in entry.offsets], dtype=torch.bool)
                    for entry, text in zip(entries, plan.texts)]

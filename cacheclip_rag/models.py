@@ -302,3 +302,23 @@ def default_prompt(model: PreTrainedModel) -> PromptFormat:
     if text_config(model).model_type.startswith("gemma"):
         return PromptFormat.completion()
     return PromptFormat.chatml()
+
+
+def int8_scorer(model: PreTrainedModel) -> PreTrainedModel:
+    """A copy of `model` whose decoder linears are int8 dynamic-quantized (weights int8, activations
+    quantized per batch on the fly): 2-4x faster matmuls on a CPU. For the aux's selection pass only;
+    the stored caches stay the float model's (the copy's embeddings and head stay float)."""
+    import copy
+    import warnings
+
+    try:
+        from torch.ao.quantization import quantize_dynamic
+    except ImportError as err:  # removed from a future torch
+        raise RuntimeError("aux_quantization='int8' needs torch.ao.quantization.quantize_dynamic, which this "
+                           f"torch ({torch.__version__}) lacks") from err
+    scorer = copy.deepcopy(model)
+    with warnings.catch_warnings():  # torch announces the quantization API's deprecation on every call
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        quantize_dynamic(scorer.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    return scorer.eval()

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from transformers import PreTrainedModel
 
 from .attention import AttentionProbe, SelectedRowsKernel
 from .cache import BlendedCache
@@ -82,10 +83,15 @@ def question_tokens(lm: LoadedModel, question: str, answer_prefix: str = "") -> 
 
 def aux_scores(
     aux: LoadedModel, prefix: PrefixCache, entries: Sequence[ChunkEntry], question_ids: Sequence[int],
-    question_rows: torch.Tensor | None = None,
+    question_rows: torch.Tensor | None = None, model: PreTrainedModel | None = None,
 ) -> list[torch.Tensor]:
     """Per chunk, a score [n_c] for each of its aux tokens (see module doc), averaged over heads and
-    the question rows `question_rows` [Q] (bool; default all)."""
+    the question rows `question_rows` [Q] (bool; default all). Tokens after the last scored row are
+    not run at all: causal attention makes them irrelevant to the scores. `model`: the module that
+    runs the pass (default the aux's own; e.g. its int8 copy)."""
+    if question_rows is not None and bool(question_rows.any()):
+        keep = int(torch.nonzero(question_rows).max()) + 1
+        question_ids, question_rows = list(question_ids)[:keep], question_rows[:keep]
     p, q = len(prefix.token_ids), len(question_ids)
     lengths = [e.num_tokens for e in entries]
     longest, c = max(lengths), len(entries)
@@ -102,7 +108,7 @@ def aux_scores(
     probe = AttentionProbe()
     mask = _slot_mask(aux, p, lengths, q, aux.dtype)
     ids = torch.tensor([list(question_ids)] * c)
-    forward_at(aux.model, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
+    forward_at(model or aux.model, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
     weights = probe.weights  # [C, H, Q, K]
     if question_rows is not None:
         weights = weights[:, :, question_rows.to(weights.device)]

@@ -68,3 +68,68 @@ def test_cacheclip_never_recomputes_chunk_zero_and_meets_the_budget(make_engine)
         chosen = sum(int(m.sum()) for m in selected)
         assert chosen >= min(math.ceil(ratio * chunk_tokens), eligible)  # the budget is met, not nominal
     assert all(m.all() for m in selected[1:])  # ratio 1: every token but chunk 0's, separators included
+
+
+def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make_engine, monkeypatch):
+    """Rows after the question's own tokens (template, answer prefix) are not run: by causality the
+    scores equal those of a plain eager forward over the whole question, averaged on its own rows."""
+    import cacheclip_rag.select as select
+    from cacheclip_rag.select import question_tokens
+
+    engine = make_engine(tiny_model("qwen2"))
+    aux = engine.aux
+    prefix, entries = engine.entries(aux, CHUNKS, SHARED)
+    ids, own = question_tokens(aux, QUESTION, " The special magic number is")
+    run_rows = []
+    real = select.forward_at
+    monkeypatch.setattr(select, "forward_at", lambda model, cache, ids_, *a, **k: run_rows.append(ids_.shape[1]) or real(model, cache, ids_, *a, **k))
+    scores = aux_scores(aux, prefix, entries, ids, own)
+    keep = int(torch.nonzero(own).max()) + 1
+    assert run_rows == [keep] and keep < len(ids)
+    reference = copy.deepcopy(aux.model)
+    reference.set_attn_implementation("eager")
+    for text, got in zip(CHUNKS, scores):
+        chunk_ids = aux.encode(chunk_unit(aux, text))
+        full = list(prefix.token_ids) + chunk_ids + ids
+        with torch.no_grad():
+            last = reference(input_ids=torch.tensor([full]), output_attentions=True, use_cache=False).attentions[-1][0]
+        p, n = len(prefix.token_ids), len(chunk_ids)
+        rows = torch.nonzero(own).flatten() + p + n
+        assert max_diff(got, last[:, rows, p : p + n].mean(dim=(0, 1))) < 1e-6
+
+
+def test_int8_aux_selects_nearly_what_the_float_aux_selects(make_engine):
+    from cacheclip_rag.config import EngineConfig, RequestOptions
+    from cacheclip_rag.engine import Engine
+
+    lm = tiny_model("llama")
+    engine = make_engine(lm)
+    quantized = Engine(primary=lm, store=engine.store, aux=lm,
+                       config=EngineConfig(store_path=engine.config.store_path, system_prompt="Be brief.",
+                                           aux_quantization="int8"))
+    assert engine.aux_scorer is None
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    linears = [m for m in quantized.aux_scorer.modules() if isinstance(m, DynamicInt8Linear)]
+    assert len(linears) == 7 * lm.config.num_hidden_layers  # q, k, v, o, gate, up, down per layer
+    assert not any(isinstance(m, DynamicInt8Linear) for m in lm.model.modules())  # the aux itself stays float
+    options = RequestOptions(method="cacheclip", ratio=0.3)
+    plan = engine.plan(QUESTION, CHUNKS, options)
+    fp32 = set(engine.positions_of(plan, engine.aux_selection(plan, options)).tolist())
+    int8 = set(quantized.positions_of(plan, quantized.aux_selection(plan, options)).tolist())
+    assert len(fp32 & int8) / len(fp32 | int8) > 0.6
+    # selection is all it changes: at ratio 1 the int8-selected answer is full attention's
+    full = engine.generate(QUESTION, CHUNKS, RequestOptions(method="full", max_new_tokens=1)).first_logits
+    one = quantized.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=1.0, max_new_tokens=1)).first_logits
+    assert max_diff(one, full) < 1e-4
+
+
+def test_int8_aux_is_refused_off_the_cpu():
+    import pytest
+
+    from cacheclip_rag.config import EngineConfig
+
+    with pytest.raises(ValueError, match="aux_device='cpu'"):
+        EngineConfig(aux_quantization="int8", aux_device="cuda")
+    with pytest.raises(ValueError, match="aux_quantization"):
+        EngineConfig(aux_quantization="int4")

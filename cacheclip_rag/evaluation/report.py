@@ -14,7 +14,7 @@ import torch
 from .runner import AlignmentRow, Record, paired_differences, records_as_dicts, summary
 from .stats import bootstrap_ci
 
-ORDER = ["full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup",
+ORDER = ["full", "direct", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup",
          "cacheclip_noprefix", "cacheclip_nominal"]
 
 
