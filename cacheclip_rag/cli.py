@@ -34,7 +34,8 @@ def demo_chunks() -> list[str]:
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
-    overrides = {"primary": args.primary, "aux": args.aux, "device": args.device, "aux_device": args.aux_device}
+    overrides = {"primary": args.primary, "aux": None if str(args.aux).lower() == "none" else args.aux,
+                 "device": args.device, "aux_device": args.aux_device, "dtype": args.dtype}
     if args.store:
         overrides["store_path"] = args.store if is_redis_url(args.store) else Path(args.store)
     if getattr(args, "shared_store", None):
@@ -337,9 +338,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_models(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument("--primary", default=EngineConfig.primary)
-        sp.add_argument("--aux", default=EngineConfig.aux)
+        sp.add_argument("--primary", default=EngineConfig.primary,
+                        help="embedded name, a local Hugging Face model folder, or a .gguf file")
+        sp.add_argument("--aux", default=EngineConfig.aux, help="the selector model (same forms), or none")
         sp.add_argument("--device", default="cpu")
+        sp.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
         sp.add_argument("--aux-device", default="cpu")
         sp.add_argument("--store", default=None, help="LMDB directory (default: user cache) or a redis:// URL")
         sp.add_argument("--shared-store", default=None, help="redis:// URL of a tier shared by machines, behind "

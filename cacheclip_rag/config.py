@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .models import DEFAULT_SYSTEM_PROMPT, cache_dir
+from .models import DEFAULT_SYSTEM_PROMPT, cache_dir, resolve_dtype
 
 METHODS = ("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle")
 
@@ -55,6 +55,7 @@ class EngineConfig:
     threshold: int = 5
     ingest_batch_size: int = 4
     device_cache_bytes: int = 0  # > 0: keep hot chunk caches resident on `device` (LRU), e.g. 8 << 30 on a GPU
+    dtype: str = "auto"  # model weights and KV: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
     aux_quantization: str | None = None  # "int8": the aux's selection pass runs int8 dynamic-quantized linears (CPU)
 
     def __post_init__(self) -> None:
@@ -68,6 +69,7 @@ class EngineConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:
             raise ValueError(f"threshold must be in [1, window={self.window}], got {self.threshold}")
+        resolve_dtype(self.dtype, self.device)  # a clear error for an unknown dtype, before any model loads
         if self.aux_quantization not in (None, "int8"):
             raise ValueError(f"aux_quantization must be None or 'int8', got {self.aux_quantization!r}")
         if self.aux_quantization is not None and self.aux_device != "cpu":

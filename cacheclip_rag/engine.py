@@ -162,11 +162,11 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        primary = load_model(config.primary, device=config.device)
+        primary = load_model(config.primary, device=config.device, dtype=config.dtype)
         aux = None
         if config.aux is not None:
             aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
-                config.aux, device=config.aux_device
+                config.aux, device=config.aux_device, dtype=config.dtype
             )
         store = open_store(config.store_path, config.shared_store)
         if config.device_cache_bytes:

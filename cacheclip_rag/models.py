@@ -81,6 +81,37 @@ class PromptFormat:
         )
 
     @classmethod
+    def from_chat_template(cls, tokenizer: PreTrainedTokenizerBase) -> PromptFormat:
+        """The layout the tokenizer's own chat template gives a system turn and a user turn holding the
+        documents and then "Question: ...", followed by the generation prompt. Rendered once with
+        sentinel texts and cut at them, so any template (Llama 3, Qwen2, Gemma 3, ChatML, ...) is read
+        as written; a template without a system role gets the system text at the start of the user turn."""
+        system, docs, question = "\x01system\x01", "\x01documents\x01", "\x01question\x01"
+
+        def render(messages: list[dict]) -> str:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        try:
+            text = render([{"role": "system", "content": system}, {"role": "user", "content": docs + question}])
+        except Exception:  # noqa: BLE001 - templates refuse a system turn by raising from Jinja
+            text = render([{"role": "user", "content": system + "\n\n" + docs + question}])
+        if system not in text:  # a template that drops system turns silently
+            text = render([{"role": "user", "content": system + "\n\n" + docs + question}])
+        spots = [text.find(x) for x in (system, docs, question)]
+        if -1 in spots or not spots[0] < spots[1] < spots[2]:
+            raise ValueError("the tokenizer's chat template does not keep a user turn's text in order; "
+                             "pass prompt=PromptFormat(...) to load_model")
+
+        def escaped(part: str) -> str:
+            return part.replace("{", "{{").replace("}", "}}")
+
+        head, rest = text.split(docs, 1)
+        between, tail = rest.split(question, 1)
+        prefix = escaped(head).replace(system, "{system}")
+        template = escaped(between) + "Question: {question}" + escaped(tail)
+        return cls(prefix_template=prefix, question_template=template, stop_strings=_turn_end(tokenizer))
+
+    @classmethod
     def ruler(cls) -> PromptFormat:
         """RULER's raw layout: "{preamble}\n{context}\n{question}{answer prefix}" (context = the chunks,
         one per line)."""
@@ -149,6 +180,17 @@ class LoadedModel:
         return ids
 
 
+def _turn_end(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """What the chat template writes after an assistant turn ("<|eot_id|>", "<end_of_turn>", ...)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x01answer\x01"}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template without an assistant role
+        return ()
+    end = text.split("\x01answer\x01", 1)[-1].strip()
+    return (end,) if end else ()
+
+
 def text_config(model: PreTrainedModel):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -194,7 +236,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
-    for token in ("<end_of_turn>", "<|im_end|>"):
+    for token in ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", *_turn_end(tokenizer)):
         token_id = tokenizer.convert_tokens_to_ids(token)
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
@@ -273,18 +315,41 @@ def _convert(gguf_path: Path, folder: Path, chat_template: str | None) -> Path:
     return folder
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on CUDA (float16 where the GPU lacks bf16) and float32 elsewhere (CPU matmuls
+    in half precision are slower, not faster)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
 def load_model(
     source: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     prompt: PromptFormat | None = None,
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Load an embedded default by name, a transformers folder, or a GGUF file."""
+    """Load an embedded default by name, a local transformers folder, or a GGUF file.
+
+    The prompt layout is `prompt` if given, else the tokenizer's own chat template (instruct models),
+    else plain completion (base models). The embedded defaults have theirs fixed: ChatML for
+    SmolLM2-135M-Instruct, completion for the base Gemma 3 270M."""
     name = str(source)
+    torch_dtype = resolve_dtype(dtype, device)
     if name in EMBEDDED:
         template = GEMMA_CHAT_TEMPLATE if name == "gemma3-270m" else None
+        prompt = prompt or (PromptFormat.completion() if name == "gemma3-270m" else PromptFormat.chatml())
         folder = convert_gguf(embedded_gguf(name), chat_template=template)
     else:
         path = Path(source)
@@ -292,16 +357,17 @@ def load_model(
             raise FileNotFoundError(f"model {name!r} is neither an embedded default {sorted(EMBEDDED)} nor a path")
         folder = convert_gguf(path) if path.suffix == ".gguf" else path
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
     model.to(device)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(model))
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(tokenizer))
 
 
-def default_prompt(model: PreTrainedModel) -> PromptFormat:
-    """ChatML for chat-tuned Llama-family models, plain completion for the base Gemma 3."""
-    if text_config(model).model_type.startswith("gemma"):
-        return PromptFormat.completion()
-    return PromptFormat.chatml()
+def default_prompt(tokenizer: PreTrainedTokenizerBase) -> PromptFormat:
+    """The tokenizer's chat template when it has one; plain completion otherwise (a model shipped
+    without a template is most likely a base model, which chat turns would confuse)."""
+    if getattr(tokenizer, "chat_template", None):
+        return PromptFormat.from_chat_template(tokenizer)
+    return PromptFormat.completion()
 
 
 def int8_scorer(model: PreTrainedModel) -> PreTrainedModel:

@@ -5,6 +5,8 @@ A small byte-level BPE tokenizer is trained in memory (offsets included), so not
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -79,3 +81,52 @@ def tiny_model(arch: str = "llama", seed: int = 0, tokenizer: PreTrainedTokenize
         prefix_template="System: {system}\nDocuments:\n", question_template="Question: {question}\nAnswer:",
     )
     return LoadedModel(name=f"tiny-{arch}-{seed}", model=model, tokenizer=tokenizer, prompt=prompt)
+
+
+# Real chat templates (string content), as their models ship them: Meta-Llama-3-Instruct, Qwen2-Instruct,
+# Gemma 3 instruction-tuned (system folded into the first user turn).
+CHAT_TEMPLATES = {
+    "llama3": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' "
+        "+ message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+        "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
+    "qwen2": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+        "You are a helpful assistant.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+        "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+        "{% endif %}"
+    ),
+    "gemma3": (
+        "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
+        "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set "
+        "loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}{%- if (message['role'] == 'user') "
+        "!= (loop.index0 % 2 == 0) -%}{{ raise_exception(\"Conversation roles must alternate user/assistant/user/"
+        "assistant/...\") }}{%- endif -%}{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+        "{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if "
+        "loop.first else \"\") }}{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if "
+        "add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+    ),
+}
+_TEMPLATE_TOKENS = {
+    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>"),
+    "qwen2": (["<|im_start|>", "<|im_end|>"], None),
+    "gemma3": (["<start_of_turn>", "<end_of_turn>"], "<bos>"),
+}
+
+
+def save_tiny_chat_model(folder: Path, arch: str, template: str, seed: int = 0) -> Path:
+    """A local Hugging Face folder (config, weights, tokenizer with a real chat template and its special
+    tokens) of a tiny random `arch` model: what a user brings."""
+    tokenizer = tiny_tokenizer()
+    specials, bos = _TEMPLATE_TOKENS[template]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.bos_token = bos
+    tokenizer.eos_token = "<eos>"
+    tokenizer.chat_template = CHAT_TEMPLATES[template]
+    lm = tiny_model(arch, seed, tokenizer)
+    folder.mkdir(parents=True, exist_ok=True)
+    lm.model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -51,3 +51,62 @@ def test_gemma_chat_template_renders_turns():
     tok.chat_template = GEMMA_CHAT_TEMPLATE
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text.endswith("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize("arch,template", [("llama", "llama3"), ("qwen2", "qwen2"), ("gemma3", "gemma3")])
+def test_a_local_model_folder_gets_its_own_chat_template(tmp_path, arch, template):
+    """A user's model with a real chat template: the engine's prompt (prefix, chunks, question) is exactly
+    what the template renders for a system turn and a user turn with the documents and the question,
+    and the template's end-of-turn token ends decoding."""
+    from cacheclip_rag.config import EngineConfig, RequestOptions
+    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.models import load_model
+    from cacheclip_rag.store import LMDBStore
+    from cacheclip_rag.testing import save_tiny_chat_model
+    from tests.conftest import CHUNKS, QUESTION
+
+    folder = save_tiny_chat_model(tmp_path / "model", arch, template)
+    lm = load_model(folder)
+    engine = Engine(primary=lm, store=LMDBStore(tmp_path / "store"), aux=None,
+                    config=EngineConfig(store_path=tmp_path / "store", aux=None, system_prompt="Be brief."))
+    plan = engine.plan(QUESTION, CHUNKS, RequestOptions(method="full"))
+    user = "".join(c + lm.prompt.chunk_separator for c in CHUNKS) + "Question: " + QUESTION
+    expected = lm.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}],
+        tokenize=False, add_generation_prompt=True)
+    if template == "llama3":
+        expected = expected.replace(user, user.strip())  # the template trims; the chunks' text is unchanged
+    assert lm.tokenizer.decode(plan.all_ids()) == expected
+    end = {"llama3": "<|eot_id|>", "qwen2": "<|im_end|>", "gemma3": "<end_of_turn>"}[template]
+    assert lm.tokenizer.convert_tokens_to_ids(end) in lm.eos_token_ids
+    one = CHUNKS[:1]  # and reuse still reproduces full attention behind this prefix
+    full = engine.generate(QUESTION, one, RequestOptions(method="full", max_new_tokens=1)).first_logits
+    shared = engine.generate(QUESTION, one, RequestOptions(method="shared_prefix", max_new_tokens=1)).first_logits
+    assert (full - shared).abs().max() < 1e-4
+
+
+def test_a_model_without_a_chat_template_gets_plain_completion(tmp_path):
+    from cacheclip_rag.models import PromptFormat, load_model
+    from cacheclip_rag.testing import tiny_model
+
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    assert load_model(tmp_path).prompt == PromptFormat.completion()
+
+
+def test_dtype_is_chosen_per_device_and_checked(tmp_path):
+    import torch
+
+    from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.models import load_model, resolve_dtype
+    from cacheclip_rag.testing import tiny_model
+
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        EngineConfig(dtype="fp8")
+    lm = tiny_model("qwen2")
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    assert load_model(tmp_path, dtype="bfloat16").dtype == torch.bfloat16
