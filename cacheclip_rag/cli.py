@@ -236,8 +236,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         stats = store.stats()
     print(f"store   {stats['path']}\nentries {stats['entries']}\nbytes   {stats['bytes']:,} "
           f"(file {stats['file_bytes']:,})\nquarantined {stats['quarantined']}")
-    for model, count in stats["models"].items():
-        print(f"model   {model}: {count} entries")
+    for fingerprint, row in stats["models"].items():
+        names = ", ".join(row["names"]) or "unnamed"
+        per_token = f"{row['bytes_per_token'] / 1024:.1f} KB/token" if row["bytes_per_token"] else "–"
+        print(f"model   {names} [{fingerprint[:12]}]: {row['entries']} entries, {row['tokens']:,} tokens, "
+              f"{row['bytes']:,} bytes, {per_token}, stored as {'/'.join(row['dtypes'])}")
     return 0
 
 

@@ -25,7 +25,7 @@ from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
 from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
                      validate_chunks)
-from .models import LoadedModel, int8_scorer, load_model
+from .models import LoadedModel, int8_scorer, load_model, resolve_dtype
 from .recompute import forward_at, recompute
 from .rope import rotate_keys
 from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
@@ -175,17 +175,25 @@ class Engine:
 
     # ---- ingest ------------------------------------------------------------------------------
 
-    def ingest(self, texts: Sequence[str], progress: bool = True, direct: bool = True) -> list[bytes]:
-        """Precompute and store every chunk for the primary (shared and direct) and the aux."""
+    def ingest(self, texts: Sequence[str], progress: bool = True, direct: bool = False) -> list[bytes]:
+        """Precompute and store every chunk for the primary (behind the shared prefix) and the aux;
+        `direct=True` also stores the chunks computed alone (only the `direct` baseline reads them,
+        and it computes them on a miss anyway)."""
         keys = precompute(self.primary, self.store, texts, self.config.system_prompt, SHARED,
-                          self.config.ingest_batch_size, progress)
+                          self.config.ingest_batch_size, progress, self.store_dtype(self.primary))
         if direct:
             precompute(self.primary, self.store, texts, self.config.system_prompt, DIRECT,
-                       self.config.ingest_batch_size, progress)
+                       self.config.ingest_batch_size, progress, self.store_dtype(self.primary))
         if self.aux is not None:
             precompute(self.aux, self.store, texts, self.config.system_prompt, SHARED,
-                       self.config.ingest_batch_size, progress)
+                       self.config.ingest_batch_size, progress, self.store_dtype(self.aux))
         return keys
+
+    def store_dtype(self, lm: LoadedModel) -> torch.dtype:
+        """The dtype `lm`'s chunk caches are stored in (see `EngineConfig.store_dtype`)."""
+        if self.config.store_dtype != "auto":
+            return resolve_dtype(self.config.store_dtype, lm.device)
+        return lm.dtype if lm.device.type == "cuda" else torch.float16
 
     def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str) -> tuple[PrefixCache, list[ChunkEntry]]:
         """Stored entries for `texts`; a miss is computed, stored and used."""
@@ -195,7 +203,7 @@ class Engine:
         missing = [t for t, e in zip(texts, found) if e is None]
         if missing:
             precompute(lm, self.store, missing, self.config.system_prompt, variant,
-                       self.config.ingest_batch_size, progress=False)
+                       self.config.ingest_batch_size, progress=False, store_dtype=self.store_dtype(lm))
             found = fetch(lm, self.store, keys)
         return prefix, found  # type: ignore[return-value]
 
@@ -322,7 +330,8 @@ class Engine:
         for offset, entry, ids in zip(plan.chunk_offsets, entries, plan.chunk_ids):
             if entry.token_ids != ids:
                 raise RuntimeError("stored chunk tokens differ from the prompt's: the tokenizer changed under the store")
-            keys = rotate_keys(lm.model, entry.keys, offset - computed_at) if reposition else entry.keys
+            keys = entry.keys.to(cache.layers[0].keys.dtype)  # rotate in the compute dtype, not the storage one
+            keys = rotate_keys(lm.model, keys, offset - computed_at) if reposition else keys
             cache.place(offset, keys, entry.values)
         return cache
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,6 +137,19 @@ def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, encoded: list[En
     return entries
 
 
+_FP16_MAX = 65504.0
+
+
+def as_stored(entry: ChunkEntry, dtype: torch.dtype | None) -> ChunkEntry:
+    """The entry in the storage dtype; an entry whose values overflow float16 is kept in bfloat16 (same
+    size, fp32's range) rather than stored as inf."""
+    if dtype is None or entry.keys.dtype == dtype:
+        return entry
+    if dtype == torch.float16 and max(float(entry.keys.abs().amax()), float(entry.values.abs().amax())) > _FP16_MAX:
+        dtype = torch.bfloat16
+    return dataclasses.replace(entry, keys=entry.keys.to(dtype), values=entry.values.to(dtype))
+
+
 def precompute(
     lm: LoadedModel,
     store: LMDBStore,
@@ -143,8 +158,10 @@ def precompute(
     variant: str = SHARED,
     batch_size: int = 4,
     progress: bool = True,
+    store_dtype: torch.dtype | None = None,
 ) -> list[bytes]:
-    """Compute and store each chunk's KV (behind the shared prefix, or alone for `direct`).
+    """Compute and store each chunk's KV (behind the shared prefix, or alone for `direct`), in
+    `store_dtype` (default: the model's own; see `storage_dtype`).
 
     Idempotent: chunks already stored are not recomputed. Returns the store keys in input order.
     """
@@ -159,7 +176,8 @@ def precompute(
     bar = tqdm(total=len(todo), desc=f"precompute {lm.name} ({variant})", unit="chunk", disable=not progress)
     for i in range(0, len(todo), batch_size):
         batch = todo[i : i + batch_size]
-        entries = _compute_batch(lm, behind, encoded[i : i + batch_size])
+        entries = [dataclasses.replace(as_stored(e, store_dtype), model=lm.name)
+                   for e in _compute_batch(lm, behind, encoded[i : i + batch_size])]
         store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
         bar.update(len(batch))
     bar.close()

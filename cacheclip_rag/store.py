@@ -25,7 +25,7 @@ import struct
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -56,6 +56,7 @@ class ChunkEntry:
     values: torch.Tensor
     token_ids: tuple[int, ...]
     offsets: tuple[tuple[int, int], ...]
+    model: str = field(default="", compare=False)  # the model's name, for people reading `inspect`
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +108,8 @@ def encode_entry(fingerprint: str, entry: ChunkEntry) -> bytes:
         "token_ids": list(entry.token_ids),
         "offsets": [list(o) for o in entry.offsets],
     }
+    if entry.model:
+        header["model"] = entry.model
     header["checksum"] = _checksum(header, payload)
     head = json.dumps(header).encode()
     return _HEADER_LEN.pack(len(head)) + head + payload
@@ -696,19 +699,31 @@ class LMDBStore:
         return {"ok": good, "quarantined": len(bad)}
 
     def stats(self) -> dict:
-        """Entries, bytes used, entries per model fingerprint, quarantined entries, file size."""
-        models: dict[str, int] = {}
+        """Entries, bytes used, quarantined entries, file size, and per model fingerprint: its entries,
+        bytes, tokens, bytes per token, storage dtypes and model names (as the writers recorded them)."""
+        models: dict[str, dict] = {}
         total = 0
         with self._transaction() as txn:
             for _, raw in txn.cursor(db=self._dbs[_ENTRIES]):
                 try:
-                    model = _split(raw)[0].get("fingerprint", "?")
-                except StoreError:
-                    model = "corrupted"
-                models[str(model)] = models.get(str(model), 0) + 1
+                    header = _split(raw)[0]
+                    model, tokens = str(header.get("fingerprint", "?")), int(header["shape"][2])
+                except (StoreError, KeyError, TypeError, ValueError, IndexError):
+                    header, model, tokens = {}, "corrupted", 0
+                row = models.setdefault(model, {"entries": 0, "bytes": 0, "tokens": 0, "dtypes": set(), "names": set()})
+                row["entries"] += 1
+                row["bytes"] += len(raw)
+                row["tokens"] += tokens
+                row["dtypes"].add(str(header.get("dtype", "?")))
+                if header.get("model"):
+                    row["names"].add(str(header["model"]))
                 total += len(raw)
-        return {"entries": sum(models.values()), "bytes": total, "models": models, "path": str(self.path),
-                "quarantined": len(self.quarantined()), "file_bytes": (self.path / "data.mdb").stat().st_size}
+        for row in models.values():
+            row["bytes_per_token"] = row["bytes"] / row["tokens"] if row["tokens"] else None
+            row["dtypes"], row["names"] = sorted(row["dtypes"]), sorted(row["names"])
+        return {"entries": sum(r["entries"] for r in models.values()), "bytes": total, "models": models,
+                "path": str(self.path), "quarantined": len(self.quarantined()),
+                "file_bytes": (self.path / "data.mdb").stat().st_size}
 
 
 __all__ = ["ChunkEntry", "CorruptEntryError", "KVStore", "LMDBStore", "StoreError", "StoreFullError", "entry_key", "FORMAT_VERSION"]

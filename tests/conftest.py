@@ -41,6 +41,8 @@ def make_engine(tmp_path):
 
     def make(primary, aux=None, **config):
         store = LMDBStore(tmp_path / "store")
+        # float32 storage: the exactness invariants compare to 1e-4 (float16 storage is tested on its own)
+        config.setdefault("store_dtype", "float32")
         cfg = EngineConfig(store_path=tmp_path / "store", system_prompt="Be brief.", **config)
         return Engine(primary=primary, store=store, config=cfg, aux=aux or primary)
 
