@@ -114,6 +114,7 @@ class RequestOptions:
     prompt_stops: bool = True  # end at the prompt format's stop strings (False: only `stop` and the budget)
     exact_budget: bool = True  # ratio = share of chunk tokens recomputed; False: the paper's nominal top-k
     sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
+    system_prompt: str | None = None  # this request's shared prefix (default the engine's); chunks are cached behind each
     ape_temperature: float = APE_TEMPERATURE  # method "ape": chunk logits are divided by it (< 1 sharpens)
     ape_scale: float = APE_SCALE  # method "ape": the chunks' share of attention is raised to scale x temperature
 
@@ -131,6 +132,10 @@ class RequestOptions:
             raise TypeError(f"stop must be a tuple of non-empty strings (e.g. stop=({self.stop!r},)), got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         _require_str("answer_prefix", self.answer_prefix)
+        if self.system_prompt is not None:
+            _require_str("system_prompt", self.system_prompt)
+            if not self.system_prompt.strip():
+                raise ValueError("system_prompt (the shared prefix) must not be empty; None uses the engine's")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         if not isinstance(self.ratio, (int, float)) or math.isnan(self.ratio) or not 0.0 <= self.ratio <= 1.0:

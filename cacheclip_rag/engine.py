@@ -43,6 +43,7 @@ class Plan:
     char_spans: tuple[tuple[tuple[int, int], ...], ...]  # per chunk token: its characters in the chunk
     question_ids: tuple[int, ...]
     question: str
+    system_prompt: str = ""  # the shared prefix's text (the request's, else the engine's)
 
     @property
     def prefix_len(self) -> int:
@@ -195,14 +196,17 @@ class Engine:
             return resolve_dtype(self.config.store_dtype, lm.device)
         return lm.dtype if lm.device.type == "cuda" else torch.float16
 
-    def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str) -> tuple[PrefixCache, list[ChunkEntry]]:
-        """Stored entries for `texts`; a miss is computed, stored and used."""
-        prefix = prefix_cache(lm, self.store, self.config.system_prompt)
+    def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str,
+                system_prompt: str | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
+        """Stored entries for `texts` behind `system_prompt` (default the engine's); a miss is computed,
+        stored and used."""
+        system_prompt = system_prompt or self.config.system_prompt
+        prefix = prefix_cache(lm, self.store, system_prompt)
         keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
         found = fetch(lm, self.store, keys)
         missing = [t for t, e in zip(texts, found) if e is None]
         if missing:
-            precompute(lm, self.store, missing, self.config.system_prompt, variant,
+            precompute(lm, self.store, missing, system_prompt, variant,
                        self.config.ingest_batch_size, progress=False, store_dtype=self.store_dtype(lm))
             found = fetch(lm, self.store, keys)
         return prefix, found  # type: ignore[return-value]
@@ -217,7 +221,8 @@ class Engine:
             raise ValueError("question is empty")
         check_text("question", question)
         lm = self.primary
-        prefix_ids = lm.encode_prefix(lm.prompt.prefix(self.config.system_prompt))
+        system_prompt = options.system_prompt or self.config.system_prompt
+        prefix_ids = lm.encode_prefix(lm.prompt.prefix(system_prompt))
         question_ids = lm.encode(lm.prompt.question(question, options.answer_prefix))
         limit = lm.max_context
         if len(question_ids) + len(prefix_ids) >= limit:
@@ -225,7 +230,7 @@ class Engine:
         encoded = [lm.encode_with_offsets(chunk_unit(lm, t)) for t in texts]
         chunk_ids = tuple(tuple(ids) for ids, _ in encoded)
         char_spans = tuple(tuple(spans) for _, spans in encoded)
-        plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, char_spans, tuple(question_ids), question)
+        plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, char_spans, tuple(question_ids), question, system_prompt)
         if plan.length + options.max_new_tokens > limit:
             raise ValueError(
                 f"blended prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
@@ -323,7 +328,7 @@ class Engine:
         to the contiguous positions there, or (`reposition=False`, APE) left at the positions they were
         computed at, right behind the prefix, so the chunks' positions overlap."""
         lm = self.primary
-        prefix, entries = self.entries(lm, plan.texts, SHARED if shared else DIRECT)
+        prefix, entries = self.entries(lm, plan.texts, SHARED if shared else DIRECT, plan.system_prompt)
         cache = new_cache(lm, plan.length + options.max_new_tokens)
         cache.place(0, prefix.keys, prefix.values)
         computed_at = plan.prefix_len if shared else 0
@@ -348,7 +353,7 @@ class Engine:
         aux = self.aux
         if aux is None:
             raise ValueError("method 'cacheclip' needs an aux model; set EngineConfig.aux")
-        prefix, entries = self.entries(aux, plan.texts, SHARED)
+        prefix, entries = self.entries(aux, plan.texts, SHARED, plan.system_prompt)
         question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
         skip = 1 if options.shared_prefix else 0
         with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches

@@ -5,13 +5,22 @@
   pipeline cache hit, `VectorStoreIndex.from_documents`, `insert_nodes`), so the hook lives there:
   each node's KV is precomputed and stored (once: the store is content-addressed) and its key is
   written to `node.metadata["cacheclip_kv_key"]`, excluded from LLM and embedding text.
-- `CacheClipQueryEngine` answers from the retrieved `NodeWithScore`s as they are, each node's
-  text being exactly the text its KV was stored under (no re-packing into new chunks).
+- `CacheClipSynthesizer` is CacheClip as LlamaIndex's own response synthesizer: pass it to
+  `index.as_query_engine(response_synthesizer=...)` or `RetrieverQueryEngine.from_args(...)` and
+  retrieval, node postprocessors and rerankers run as LlamaIndex runs them; the retrieved nodes are
+  then answered with chunk reuse, each node's text being exactly the text its KV was stored under.
+  Its QA template (`get_prompts()["text_qa_template"]`) is updatable: the text before
+  `{context_str}` is the shared prefix the chunks are cached behind, the rest frames the question.
+  Synthesis and the LLM call emit LlamaIndex's callback and instrumentation events (token counts
+  included).
+- `CacheClipQueryEngine` answers from the retrieved `NodeWithScore`s as they are (the bespoke
+  entry point, kept for per-call `method`/`ratio` overrides).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -25,13 +34,15 @@ try:
     from llama_index.core.callbacks import CallbackManager
     from llama_index.core.llms import CompletionResponse, CompletionResponseGen, CustomLLM, LLMMetadata
     from llama_index.core.llms.callbacks import llm_completion_callback
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.response_synthesizers import BaseSynthesizer
     from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
     from llama_index.core.vector_stores.types import BasePydanticVectorStore, VectorStoreQuery, VectorStoreQueryResult
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
-from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.engine import Engine, Stream
+from cacheclip_rag.config import EngineConfig, RequestOptions
+from cacheclip_rag.engine import Answer, Engine, Stream
 
 from .common import KV_KEY, aiter_in_thread, answer_metadata
 from .embeddings import MiniLM
@@ -59,6 +70,10 @@ def attach_kv(engine: Engine, nodes: Sequence[BaseNode]) -> list[str]:
 
 class CacheClipVectorStore(BasePydanticVectorStore):
     """A vector store that stores each added node's chunk KV first, then delegates to `inner`."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheClipVectorStore"
 
     stores_text: bool = False
     is_embedding_query: bool = True
@@ -186,38 +201,171 @@ class CacheClipQueryEngine(BaseQueryEngine):
         return {}
 
 
+def _config_dict(engine: Engine) -> dict:
+    """The engine's configuration as plain JSON values (what `to_dict` records and `from_dict` rebuilds)."""
+    return {k: (str(v) if not isinstance(v, (str, int, float, bool, type(None))) else v)
+            for k, v in dataclasses.asdict(engine.config).items()}
+
+
 class CacheClipLLM(CustomLLM):
-    """The primary model as a LlamaIndex LLM for plain prompts (full prefill, no chunk reuse)."""
+    """The primary model as a LlamaIndex LLM. A plain prompt runs full prefill; a call carrying
+    `cacheclip_chunks` and `cacheclip_question` (what `CacheClipSynthesizer` sends) answers with chunk
+    reuse. `max_tokens` and `temperature` are honoured, per call too. `to_dict()` records the engine's
+    configuration and `from_dict()` rebuilds the engine from it."""
 
     max_new_tokens: int = 64
+    temperature: float = 0.0
+    engine_config: dict = {}
     _engine: Engine = PrivateAttr()
 
-    def __init__(self, engine: Engine, **kwargs: Any):
+    def __init__(self, engine: Engine | None = None, **kwargs: Any):
+        if engine is None:
+            if not kwargs.get("engine_config"):
+                raise ValueError("CacheClipLLM needs an engine, or an engine_config to build one from")
+            engine = Engine.from_config(EngineConfig(**kwargs["engine_config"]))
+        kwargs["engine_config"] = _config_dict(engine)
         super().__init__(**kwargs)
         self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheClipLLM"
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
         lm = self._engine.primary
         return LLMMetadata(context_window=lm.max_context, num_output=self.max_new_tokens, model_name=lm.name)
 
-    def _options(self) -> RequestOptions:
-        return RequestOptions(method="full", max_new_tokens=self.max_new_tokens)
+    def _options(self, kwargs: dict) -> RequestOptions:
+        base = kwargs.get("cacheclip_options") or RequestOptions(method="full")
+        return replace(base, max_new_tokens=int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_new_tokens),
+                       temperature=float(kwargs.get("temperature", self.temperature)))
+
+    def _stream(self, prompt: str, kwargs: dict) -> Stream:
+        options = self._options(kwargs)
+        chunks = kwargs.get("cacheclip_chunks")
+        if chunks is not None:
+            return self._engine.stream(kwargs["cacheclip_question"], list(chunks), options)
+        return self._engine.complete(prompt, replace(options, method="full"))
+
+    @staticmethod
+    def _usage(answer: Answer | None) -> dict:
+        if answer is None:
+            return {}
+        return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": len(answer.token_ids),
+                "total_tokens": answer.prompt_tokens + len(answer.token_ids),
+                "recomputed_tokens": answer.recomputed_tokens, "timings": answer.timings.as_dict()}
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        text = "".join(self._engine.complete(prompt, self._options()))
-        return CompletionResponse(text=text)
+        stream = self._stream(prompt, kwargs)
+        text = "".join(stream)
+        return CompletionResponse(text=text, additional_kwargs=self._usage(stream.answer))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        stream = self._stream(prompt, kwargs)
+
         def gen() -> CompletionResponseGen:
             text = ""
-            for piece in self._engine.complete(prompt, self._options()):
+            for piece in stream:
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
+            yield CompletionResponse(text=text, delta="", additional_kwargs=self._usage(stream.answer))
 
         return gen()
+
+
+class CacheClipSynthesizer(BaseSynthesizer):
+    """CacheClip as a LlamaIndex response synthesizer (see the module doc).
+
+    `options` sets method, ratio and decoding; `get_response(..., method=..., ratio=...)` overrides
+    them per call. The response's `metadata["cacheclip"]` holds method, ratio, token counts and
+    timings (filled when a stream ends)."""
+
+    def __init__(self, engine: Engine, options: RequestOptions | None = None, streaming: bool = False,
+                 text_qa_template: PromptTemplate | None = None, callback_manager: CallbackManager | None = None):
+        self._engine = engine
+        self._options = options or RequestOptions(max_new_tokens=64)
+        super().__init__(llm=CacheClipLLM(engine, max_new_tokens=self._options.max_new_tokens,
+                                          temperature=self._options.temperature),
+                         callback_manager=callback_manager, streaming=streaming)
+        # the default reads as the engine lays the prompt out: system prompt, the chunks, the question
+        self._text_qa_template = self._checked(text_qa_template or PromptTemplate(
+            engine.config.system_prompt + "\n{context_str}\n{query_str}"))
+        self._metadata: dict = {}
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheClipSynthesizer"
+
+    @property
+    def llm(self) -> CacheClipLLM:
+        """The engine as a LlamaIndex LLM: pass it as `llm=` where LlamaIndex resolves one itself
+        (`index.as_query_engine`), else it falls back to `Settings.llm`."""
+        return self._llm  # type: ignore[return-value]
+
+    @staticmethod
+    def _checked(template: PromptTemplate) -> PromptTemplate:
+        text = template.get_template()
+        if text.count("{context_str}") != 1 or "{query_str}" not in text.split("{context_str}", 1)[1]:
+            raise ValueError("a CacheClip QA template holds {context_str} once, with {query_str} after it: the text "
+                             "before the context is the shared prefix the chunks are cached behind")
+        return template
+
+    def _get_prompts(self) -> dict:
+        return {"text_qa_template": self._text_qa_template}
+
+    def _update_prompts(self, prompts: dict) -> None:
+        if "text_qa_template" in prompts:
+            self._text_qa_template = self._checked(prompts["text_qa_template"])
+
+    def _request(self, query_str: str, text_chunks: Sequence[str], overrides: dict) -> tuple[str, dict]:
+        """The prompt text (for events and token counts) and the LLM call's keyword arguments."""
+        if not text_chunks or any(not t or not t.strip() for t in text_chunks):
+            raise ValueError("a node has no text to answer from")
+        head, tail = self._text_qa_template.get_template().split("{context_str}", 1)
+        question = tail.replace("{query_str}", query_str).strip()
+        options = replace(self._options, **{k: v for k, v in overrides.items() if k in RequestOptions.__dataclass_fields__})
+        # the template's head is this request's shared prefix: chunks are cached behind a new one once
+        options = replace(options, system_prompt=head.strip() or None)
+        prompt = self._text_qa_template.format(context_str="\n\n".join(text_chunks), query_str=query_str)
+        self._metadata = {"method": options.method, "ratio": options.ratio}
+        return prompt, {"cacheclip_chunks": list(text_chunks), "cacheclip_question": question,
+                        "cacheclip_options": options, "max_tokens": options.max_new_tokens,
+                        "temperature": options.temperature}
+
+    def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
+        prompt, kwargs = self._request(query_str, text_chunks, response_kwargs)
+        metadata = self._metadata
+        # LlamaIndex's resolve_llm hands the LLM the index's callback manager: this synthesizer's governs
+        self._llm.callback_manager = self._callback_manager
+        if not self._streaming:
+            response = self._llm.complete(prompt, **kwargs)
+            metadata.update(response.additional_kwargs)
+            return response.text
+
+        def pieces() -> Iterator[str]:
+            for response in self._llm.stream_complete(prompt, **kwargs):
+                if response.delta:
+                    yield response.delta
+                metadata.update(response.additional_kwargs)
+
+        return pieces()
+
+    async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
+        if not self._streaming:
+            return await asyncio.to_thread(self.get_response, query_str, text_chunks, **response_kwargs)
+        return aiter_in_thread(await asyncio.to_thread(self.get_response, query_str, text_chunks, **response_kwargs))
+
+    def _prepare_response_output(self, response_str, source_nodes):
+        response = super()._prepare_response_output(response_str, source_nodes)
+        response.metadata = {**(response.metadata or {}), "cacheclip": self._metadata}
+        return response
 
 
 class MiniLMEmbedding(BaseEmbedding):
@@ -225,6 +373,10 @@ class MiniLMEmbedding(BaseEmbedding):
 
     model_name: str = "all-MiniLM-L6-v2"
     _minilm: MiniLM = PrivateAttr()
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "MiniLMEmbedding"
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)

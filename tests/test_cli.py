@@ -29,7 +29,8 @@ def test_ingest_query_inspect(tmp_path, capsys):
     assert "retrieved 2 chunks" in out.err and "ttft_s" in out.err and out.out.strip()
     assert main(["inspect", "--store", str(tmp_path / "kv")]) == 0
     report = capsys.readouterr().out
-    assert "entries 11" in report and "quarantined 0" in report  # prefix + 5 chunks x (shared, direct)
+    assert "entries 6" in report and "quarantined 0" in report  # prefix + 5 chunks (direct only when asked)
+    assert "KB/token" in report and "float16" in report
     with pytest.raises(SystemExit, match="no such file"):
         main(["ingest", str(tmp_path / "missing"), *models])
 

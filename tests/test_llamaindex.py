@@ -1,6 +1,7 @@
 """LlamaIndex integration with the real framework, real FAISS, a real LMDB store and MiniLM embeddings."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -21,7 +22,7 @@ from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.integrations.common import KV_KEY  # noqa: E402
 from cacheclip_rag.integrations.llamaindex import (  # noqa: E402
-    CacheClipLLM, CacheClipQueryEngine, CacheClipVectorStore, MiniLMEmbedding, node_text,
+    CacheClipLLM, CacheClipQueryEngine, CacheClipSynthesizer, CacheClipVectorStore, MiniLMEmbedding, node_text,
 )
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 
@@ -87,7 +88,7 @@ def test_every_ingest_route_stores_each_node_kv_once(make_engine, lm, embed_mode
     index.insert_nodes([extra])
     assert engine.store.contains(bytes.fromhex(extra.metadata[KV_KEY]))
     per_node = len(counter.written) - chunk_writes
-    assert per_node == 2  # shared + direct variants (the primary is its own aux here)
+    assert per_node == 1  # the shared entry (the primary is its own aux here; direct only when asked)
     index.insert_nodes([TextNode(text=extra.text)])  # same text again: nothing new stored
     assert len(counter.written) == chunk_writes + per_node
 
@@ -96,7 +97,7 @@ def test_every_ingest_route_stores_each_node_kv_once(make_engine, lm, embed_mode
     pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=512), embed_model],
                                  vector_store=faiss_store(engine), cache=cache)
     pipeline.run(documents=[Document(text="Fog closes the harbour about twelve days a year.", id_="fog")])
-    assert len(counter.written) == chunk_writes + per_node + 2
+    assert len(counter.written) == chunk_writes + per_node + 1
     fresh = Engine(primary=lm, store=LMDBStore(tmp_path / "second-store"), config=engine.config, aux=lm)
     hits = PutCounter(fresh.store)
     pipeline.vector_store = faiss_store(fresh)
@@ -105,7 +106,7 @@ def test_every_ingest_route_stores_each_node_kv_once(make_engine, lm, embed_mode
         (node,) = pipeline.run(documents=[Document(text="Fog closes the harbour about twelve days a year.", id_="fog")])
     finally:
         embed_model._minilm = minilm
-    assert len(hits.written) == 3  # the new store's prefix entry, then the chunk's shared + direct entries
+    assert len(hits.written) == 2  # the new store's prefix entry, then the chunk's shared entry
     assert fresh.store.contains(bytes.fromhex(node.metadata[KV_KEY]))
 
 
@@ -192,3 +193,109 @@ def test_custom_llm_facade(make_engine, lm):
     deltas = [r.delta for r in llm.stream_complete(prompt)]
     assert len(deltas) > 1 and "".join(deltas) == text
     assert llm.metadata.model_name == lm.name
+
+
+def test_synthesizer_through_llamaindex_entry_points_with_postprocessors(make_engine, lm, embed_model):
+    """as_query_engine and RetrieverQueryEngine.from_args run retrieval and node postprocessors as
+    LlamaIndex runs them; the kept nodes are answered with reuse, exactly as the core answers them."""
+    from llama_index.core.postprocessor.types import BaseNodePostprocessor
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    class DropBakery(BaseNodePostprocessor):
+        def _postprocess_nodes(self, nodes, query_bundle=None):
+            return [n for n in nodes if "bakery" not in n.node.get_content()]
+
+    engine = make_engine(lm)
+    index = build_index(engine, embed_model)
+    synth = CacheClipSynthesizer(engine, OPTIONS)
+    # as_query_engine resolves an LLM itself (Settings.llm by default): hand it the synthesizer's
+    response = index.as_query_engine(llm=synth.llm, response_synthesizer=synth, similarity_top_k=3).query(QUESTION)
+    nodes = index.as_retriever(similarity_top_k=3).retrieve(QUESTION)
+    assert response.response == engine.generate(QUESTION, [node_text(n.node) for n in nodes], OPTIONS).text
+    assert response.metadata["cacheclip"]["method"] == "cacheclip" and response.metadata["cacheclip"]["prompt_tokens"] > 0
+    qe = RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=4), llm=synth.llm,
+                                        response_synthesizer=synth, node_postprocessors=[DropBakery()])
+    response = qe.query(QUESTION)
+    kept = [n for n in index.as_retriever(similarity_top_k=4).retrieve(QUESTION) if "bakery" not in n.node.get_content()]
+    assert len(response.source_nodes) == len(kept) == 3
+    assert response.response == engine.generate(QUESTION, [node_text(n.node) for n in kept], OPTIONS).text
+    assert CacheClipSynthesizer.class_name() == "CacheClipSynthesizer"
+    assert CacheClipVectorStore.class_name() == "CacheClipVectorStore" and CacheClipLLM.class_name() == "CacheClipLLM"
+
+
+def test_synthesizer_prompt_is_exposed_and_updatable(make_engine, lm, embed_model):
+    from llama_index.core.prompts import PromptTemplate
+
+    engine = make_engine(lm)
+    index = build_index(engine, embed_model)
+    synth = CacheClipSynthesizer(engine, OPTIONS)
+    qe = index.as_query_engine(llm=synth.llm, response_synthesizer=synth, similarity_top_k=2)
+    assert "response_synthesizer:text_qa_template" in qe.get_prompts()
+    qe.update_prompts({"response_synthesizer:text_qa_template": PromptTemplate(
+        "You answer ferry questions.\n{context_str}\nReply briefly: {query_str}")})
+    response = qe.query(QUESTION)
+    nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
+    expected = engine.generate("Reply briefly: " + QUESTION, [node_text(n.node) for n in nodes],
+                               replace(OPTIONS, system_prompt="You answer ferry questions."))
+    assert response.response == expected.text
+    with pytest.raises(ValueError, match="context_str"):
+        synth.update_prompts({"text_qa_template": PromptTemplate("no slots {query_str}")})
+
+
+def test_synthesizer_emits_callback_and_instrumentation_events_with_token_counts(make_engine, lm, embed_model):
+    from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler, TokenCountingHandler
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+
+    class Seen(BaseEventHandler):
+        names: list = []
+
+        @classmethod
+        def class_name(cls) -> str:
+            return "Seen"
+
+        def handle(self, event, **kwargs):
+            self.names.append(type(event).__name__)
+
+    engine = make_engine(lm)
+    index = build_index(engine, embed_model)
+    debug, tokens = LlamaDebugHandler(), TokenCountingHandler(tokenizer=lm.tokenizer.encode)
+    seen = Seen()
+    get_dispatcher().add_event_handler(seen)
+    try:
+        synth = CacheClipSynthesizer(engine, OPTIONS, callback_manager=CallbackManager([debug, tokens]))
+        index.as_query_engine(llm=synth.llm, response_synthesizer=synth, similarity_top_k=2).query(QUESTION)
+        streamed = CacheClipSynthesizer(engine, OPTIONS, streaming=True, callback_manager=CallbackManager([debug]))
+        text = "".join(index.as_query_engine(llm=streamed.llm, response_synthesizer=streamed,
+                                             similarity_top_k=2).query(QUESTION).response_gen)
+    finally:
+        get_dispatcher().event_handlers.remove(seen)
+    assert debug.get_event_pairs(CBEventType.SYNTHESIZE) and debug.get_event_pairs(CBEventType.LLM)
+    assert tokens.prompt_llm_token_count > 0 and tokens.completion_llm_token_count > 0
+    for name in ("SynthesizeStartEvent", "SynthesizeEndEvent", "LLMCompletionStartEvent", "LLMCompletionEndEvent"):
+        assert name in seen.names, (name, set(seen.names))
+    assert text
+
+
+def test_llm_honours_max_tokens_and_temperature_and_round_trips(make_engine, lm, tmp_path):
+    from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.testing import save_tiny_chat_model
+
+    engine = make_engine(lm)
+    llm = CacheClipLLM(engine, max_new_tokens=8)
+    prompt = "The capital of the harbour district is"
+    short = llm.complete(prompt, max_tokens=3)
+    assert short.additional_kwargs["completion_tokens"] == 3
+    assert llm._options({"temperature": 0.7}).temperature == 0.7 and llm._options({}).temperature == 0.0
+    greedy = {llm.complete(prompt).text for _ in range(2)}
+    sampled = {CacheClipLLM(engine, max_new_tokens=8, temperature=5.0).complete(prompt).text for _ in range(4)}
+    assert len(greedy) == 1 and len(sampled) > 1  # temperature 5 over a random model: samples differ
+
+    folder = save_tiny_chat_model(tmp_path / "model", "qwen2", "qwen2")
+    built = CacheClipLLM(Engine.from_config(EngineConfig(primary=str(folder), aux=None, store_path=str(tmp_path / "kv"))),
+                         max_new_tokens=5)
+    data, expected = built.to_dict(), built.complete(prompt).text
+    assert data["engine_config"]["primary"] == str(folder) and data["class_name"] == "CacheClipLLM"
+    built.engine.store.close()  # one LMDB environment per path and process: as in a fresh process
+    again = CacheClipLLM.from_dict(data)
+    assert again.max_new_tokens == 5 and again.complete(prompt).text == expected
