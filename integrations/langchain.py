@@ -1,16 +1,21 @@
 """LangChain (langchain-core 1.x): a FAISS ingest hook, a generation Runnable, a chat model, embeddings.
 
-- `CacheClipFAISS` is `langchain_community`'s FAISS whose every insertion route (`add_texts`,
-  `add_documents`, `add_embeddings`, `from_texts`, `from_documents`, their async forms) first
-  stores each text's chunk KV and writes its key to the document's metadata.
-- `CacheClipGenerate` is a `Runnable` from `{"docs": [...], "question": ...}` (optionally
-  `"method"`, `"ratio"`) to the answer text, streamed token by token:
-  `RunnableParallel(docs=retriever, question=RunnablePassthrough()) | CacheClipGenerate(engine)`.
+- `CacheClipFAISS` is `langchain_community`'s FAISS whose public insertion methods (`add_texts`,
+  `aadd_texts`, `add_embeddings`, `from_texts`, `afrom_texts`, `from_embeddings`; `add_documents`,
+  `from_documents` and their async forms go through them) first store each text's chunk KV and write
+  its key to the metadata. The tests insert through every public route and fail if one bypasses these.
+- `CacheClipGenerate` is a `RunnableSerializable` from `{"docs": [...], "question": ...}` to the
+  answer, streamed token by token through LangChain's callback machinery (callbacks, tracing,
+  `astream_events`): `RunnableParallel(docs=retriever, question=RunnablePassthrough()) |
+  CacheClipGenerate(engine)`. Every request option (`method`, `ratio`, `max_new_tokens`,
+  `temperature`, ...) is accepted in the input, through `.bind(...)`, and as a configurable field;
+  `return_sources=True` returns `{"answer", "source_documents", "usage_metadata", "cacheclip"}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -23,13 +28,14 @@ try:
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-    from langchain_core.runnables import Runnable, RunnableConfig
-    from pydantic import ConfigDict
+    from langchain_core.runnables import RunnableConfig, RunnableSerializable
+    from langchain_core.runnables.utils import AddableDict
+    from pydantic import ConfigDict, Field
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LangChain integration needs: pip install 'cacheclip-rag[langchain]'") from err
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.engine import Engine, Stream
+from cacheclip_rag.engine import Answer, Engine, Stream
 
 from .common import KV_KEY, aiter_in_thread
 from .embeddings import MiniLM
@@ -43,15 +49,50 @@ class CacheClipFAISS(FAISS):
         super().__init__(*args, **kwargs)
         self.kv_engine = kv_engine
 
-    # FAISS funnels every insertion through its private `__add`; overriding its mangled name catches
-    # them all (the tests exercise each public route, so an upstream rename fails loudly).
-    def _FAISS__add(self, texts: Iterable[str], embeddings: Iterable[list[float]],
-                    metadatas: Iterable[dict] | None = None, ids: list[str] | None = None) -> list[str]:
-        texts = list(texts)
-        keys = self.kv_engine.ingest(texts, progress=len(texts) > 8) if texts else []
+    @staticmethod
+    def _with_keys(engine: Engine, texts: list[str], metadatas: Iterable[dict] | None) -> list[dict]:
+        keys = engine.ingest(texts, progress=len(texts) > 8) if texts else []
         metas = list(metadatas) if metadatas is not None else [{} for _ in texts]
-        metas = [{**(m or {}), KV_KEY: k.hex()} for m, k in zip(metas, keys)]
-        return super()._FAISS__add(texts, embeddings, metadatas=metas, ids=ids)
+        return [{**(m or {}), KV_KEY: k.hex()} for m, k in zip(metas, keys)]
+
+    def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, ids: list[str] | None = None,
+                  **kwargs: Any) -> list[str]:
+        texts = list(texts)
+        return super().add_texts(texts, self._with_keys(self.kv_engine, texts, metadatas), ids=ids, **kwargs)
+
+    async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None,
+                         ids: list[str] | None = None, **kwargs: Any) -> list[str]:
+        texts = list(texts)  # FAISS's async route embeds and inserts without add_texts
+        metas = await asyncio.to_thread(self._with_keys, self.kv_engine, texts, metadatas)
+        return await super().aadd_texts(texts, metas, ids=ids, **kwargs)
+
+    @classmethod
+    async def afrom_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None,
+                          ids: list[str] | None = None, *, kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
+        texts = list(texts)
+        metas = await asyncio.to_thread(cls._with_keys, kv_engine, texts, metadatas)
+        return await super().afrom_texts(texts, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
+
+    def add_embeddings(self, text_embeddings: Iterable[tuple[str, list[float]]], metadatas: list[dict] | None = None,
+                       ids: list[str] | None = None, **kwargs: Any) -> list[str]:
+        pairs = list(text_embeddings)
+        metas = self._with_keys(self.kv_engine, [t for t, _ in pairs], metadatas)
+        return super().add_embeddings(pairs, metas, ids=ids, **kwargs)
+
+    @classmethod
+    def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None,
+                   ids: list[str] | None = None, *, kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
+        texts = list(texts)
+        metas = cls._with_keys(kv_engine, texts, metadatas)
+        return super().from_texts(texts, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
+
+    @classmethod
+    def from_embeddings(cls, text_embeddings: Iterable[tuple[str, list[float]]], embedding: Embeddings,
+                        metadatas: Iterable[dict] | None = None, ids: list[str] | None = None, *,
+                        kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
+        pairs = list(text_embeddings)
+        metas = cls._with_keys(kv_engine, [t for t, _ in pairs], metadatas)
+        return super().from_embeddings(pairs, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
 
 
 def _texts(docs: Sequence[Document | str]) -> list[str]:
@@ -66,32 +107,110 @@ def _texts(docs: Sequence[Document | str]) -> list[str]:
     return texts
 
 
-class CacheClipGenerate(Runnable[dict, str]):
-    """`{"docs", "question"[, "method", "ratio"]}` -> answer text, by the engine over the docs' caches."""
+_OPTION_NAMES = frozenset(RequestOptions.__dataclass_fields__)
 
-    def __init__(self, engine: Engine, options: RequestOptions | None = None):
-        self.engine = engine
-        self.options = options or RequestOptions(max_new_tokens=64)
 
-    def _start(self, input: dict) -> Stream:
+class CacheClipGenerate(RunnableSerializable[dict, Any]):
+    """`{"docs", "question"[, any request option]}` -> the answer, by the engine over the docs' caches
+    (see the module doc). Fields are the defaults; the input, `.bind(...)` and configurable fields
+    override them per call."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    engine: Engine = Field(exclude=True)
+    method: str = "cacheclip"
+    ratio: float = 0.2
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    return_sources: bool = False
+
+    def __init__(self, engine: Engine, options: RequestOptions | None = None, **fields: Any):
+        if options is not None:
+            fields = {"method": options.method, "ratio": options.ratio, "max_new_tokens": options.max_new_tokens,
+                      "temperature": options.temperature, **fields}
+        super().__init__(engine=engine, **fields)
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return False  # it holds an engine (models and a store), which no serialized form can carry
+
+    def _request(self, input: dict, kwargs: dict) -> tuple[str, list[str], RequestOptions, list, bool]:
         if not isinstance(input, dict) or "question" not in input or "docs" not in input:
             raise ValueError('CacheClipGenerate takes {"docs": [...], "question": "..."}')
-        overrides = {k: input[k] for k in ("method", "ratio") if k in input}
-        options = replace(self.options, **overrides) if overrides else self.options
-        return self.engine.stream(str(input["question"]), _texts(input["docs"]), options)
+        given = {**kwargs, **{k: v for k, v in input.items() if k not in ("docs", "question")}}
+        unknown = sorted(set(given) - _OPTION_NAMES - {"return_sources"})
+        if unknown:
+            raise ValueError(f"unknown options {unknown}; request options are {', '.join(sorted(_OPTION_NAMES))}")
+        fields = {"method": self.method, "ratio": self.ratio, "max_new_tokens": self.max_new_tokens,
+                  "temperature": self.temperature}
+        options = RequestOptions(**{**fields, **{k: v for k, v in given.items() if k != "return_sources"}})
+        docs = list(input["docs"])
+        return str(input["question"]), _texts(docs), options, docs, bool(given.get("return_sources", self.return_sources))
 
-    def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> str:
-        return self._call_with_config(lambda x: "".join(self._start(x)), input, config)
+    @staticmethod
+    def _extras(answer: Answer | None, docs: list, options: RequestOptions) -> dict:
+        usage = {} if answer is None else {
+            "input_tokens": answer.prompt_tokens, "output_tokens": len(answer.token_ids),
+            "total_tokens": answer.prompt_tokens + len(answer.token_ids)}
+        meta = {"method": options.method, "ratio": options.ratio}
+        if answer is not None:
+            meta.update(recomputed_tokens=answer.recomputed_tokens, timings=answer.timings.as_dict())
+        return {"source_documents": docs, "usage_metadata": usage, "cacheclip": meta}
 
-    async def ainvoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> str:
-        return await asyncio.to_thread(self.invoke, input, config)
+    def _pieces(self, input: dict, kwargs: dict) -> Iterator[Any]:
+        question, texts, options, docs, sources = self._request(input, kwargs)
+        stream: Stream = self.engine.stream(question, texts, options)
+        for piece in stream:
+            yield AddableDict(answer=piece) if sources else piece
+        if sources:
+            yield AddableDict(self._extras(stream.answer, docs, options))
 
-    def stream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[str]:
-        yield from self._start(input)
+    def _transform(self, inputs: Iterator[dict], run_manager: Any = None, config: RunnableConfig | None = None,
+                   options: dict | None = None) -> Iterator[Any]:
+        final = None
+        for part in inputs:  # the input arrives whole or in addable pieces
+            final = part if final is None else final + part
+        yield from self._pieces(final, options or {})
 
-    async def astream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[str]:
-        stream = await asyncio.to_thread(self._start, input)
-        async for piece in aiter_in_thread(iter(stream)):
+    def invoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        def run(value: dict) -> Any:
+            parts = list(self._pieces(value, kwargs))
+            if parts and isinstance(parts[0], AddableDict):
+                out = AddableDict(answer="")
+                for p in parts:
+                    out = out + p
+                return dict(out)
+            return "".join(parts)
+
+        return self._call_with_config(run, input, config)
+
+    async def ainvoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self.invoke, input, config, **kwargs)
+
+    def transform(self, input: Iterator[dict], config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
+        yield from self._transform_stream_with_config(input, functools.partial(self._transform, options=kwargs), config)
+
+    def stream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
+        yield from self.transform(iter([input]), config, **kwargs)
+
+    async def atransform(self, input: AsyncIterator[dict], config: RunnableConfig | None = None,
+                         **kwargs: Any) -> AsyncIterator[Any]:
+        async def pieces(inputs: AsyncIterator[dict], run_manager: Any = None,
+                         config: RunnableConfig | None = None) -> AsyncIterator[Any]:
+            final = None
+            async for part in inputs:
+                final = part if final is None else final + part
+            generator = await asyncio.to_thread(self._pieces, final, kwargs)
+            async for piece in aiter_in_thread(generator):
+                yield piece
+
+        async for piece in self._atransform_stream_with_config(input, pieces, config):
+            yield piece
+
+    async def astream(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        async def one() -> AsyncIterator[dict]:
+            yield input
+
+        async for piece in self.atransform(one(), config, **kwargs):
             yield piece
 
 

@@ -54,6 +54,21 @@ def test_every_faiss_route_stores_kv_once_and_records_the_key(make_engine, lm, e
                                               kv_engine=engine)  # from_documents
     (doc,) = from_docs.docstore._dict.values()
     assert engine.store.contains(bytes.fromhex(doc.metadata[KV_KEY]))
+    routes = {  # every other public insertion route, sync and async
+        "afrom_texts": lambda: asyncio.run(CacheClipFAISS.afrom_texts(["Route afrom_texts."], embeddings, kv_engine=engine)),
+        "afrom_documents": lambda: asyncio.run(CacheClipFAISS.afrom_documents(
+            [Document(page_content="Route afrom_documents.")], embeddings, kv_engine=engine)),
+        "from_embeddings": lambda: CacheClipFAISS.from_embeddings(
+            [("Route from_embeddings.", embeddings.embed_query("x"))], embeddings, kv_engine=engine),
+    }
+    for name, build in routes.items():
+        (doc,) = build().docstore._dict.values()
+        assert engine.store.contains(bytes.fromhex(doc.metadata[KV_KEY])), name
+    store.add_embeddings([("Route add_embeddings.", embeddings.embed_query("y"))])
+    asyncio.run(store.aadd_documents([Document(page_content="Route aadd_documents.")]))
+    for text in ("Route add_embeddings.", "Route aadd_documents."):
+        doc = next(d for d in store.docstore._dict.values() if d.page_content == text)
+        assert engine.store.contains(bytes.fromhex(doc.metadata[KV_KEY])), text
 
     store.save_local(str(tmp_path / "faiss"))  # reload from disk: the keys are found again
     loaded = CacheClipFAISS.load_local(str(tmp_path / "faiss"), embeddings, allow_dangerous_deserialization=True,
@@ -121,3 +136,60 @@ def test_chat_model_facade_streams(make_engine):
     text = chat.invoke(messages).content
     pieces = [c.content for c in chat.stream(messages)]
     assert len(pieces) > 1 and "".join(pieces) == text
+
+
+def test_runnable_is_visible_to_callbacks_and_events_and_takes_options_every_way(make_engine, lm):
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.runnables import ConfigurableField
+
+    engine = make_engine(lm)
+    request = {"docs": DOCS[:3], "question": QUESTION}
+    generate = CacheClipGenerate(engine, OPTIONS)
+    core = engine.generate(QUESTION, DOCS[:3], OPTIONS).text
+    full = engine.generate(QUESTION, DOCS[:3], RequestOptions(method="full", max_new_tokens=8)).text
+
+    class Seen(BaseCallbackHandler):
+        def __init__(self):
+            self.events = []
+
+        def on_chain_start(self, *args, **kwargs):
+            self.events.append("start")
+
+        def on_chain_end(self, *args, **kwargs):
+            self.events.append("end")
+
+    seen = Seen()
+    assert "".join(generate.stream(request, config={"callbacks": [seen]})) == core
+    assert seen.events == ["start", "end"]
+
+    async def events():
+        return [e async for e in generate.astream_events(request, version="v2")]
+
+    kinds = [e["event"] for e in asyncio.run(events())]
+    assert kinds[0] == "on_chain_start" and kinds[-1] == "on_chain_end" and kinds.count("on_chain_stream") > 1
+
+    assert generate.invoke({**request, "method": "full"}) == full  # in the input
+    assert generate.bind(method="full").invoke(request) == full  # bound
+    configurable = generate.configurable_fields(method=ConfigurableField(id="method"))
+    assert configurable.with_config(configurable={"method": "full"}).invoke(request) == full
+    short = generate.invoke({**request, "max_new_tokens": 2, "return_sources": True})
+    assert short["usage_metadata"]["output_tokens"] == 2 and short["cacheclip"]["method"] == "cacheclip"
+    with pytest.raises(ValueError, match="unknown options"):
+        generate.invoke({**request, "max_tokens_typo": 3})
+
+
+def test_runnable_returns_answer_sources_and_usage(make_engine, lm, embeddings):
+    engine = make_engine(lm)
+    retriever = CacheClipFAISS.from_texts(DOCS, embeddings, kv_engine=engine).as_retriever(search_kwargs={"k": 2})
+    chain = RunnableParallel(docs=retriever, question=RunnablePassthrough()) | CacheClipGenerate(
+        engine, OPTIONS, return_sources=True)
+    out = chain.invoke(QUESTION)
+    docs = retriever.invoke(QUESTION)
+    assert out["answer"] == engine.generate(QUESTION, [d.page_content for d in docs], OPTIONS).text
+    assert [d.page_content for d in out["source_documents"]] == [d.page_content for d in docs]
+    usage = out["usage_metadata"]
+    assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    merged = None
+    for part in chain.stream(QUESTION):
+        merged = part if merged is None else merged + part
+    assert merged["answer"] == out["answer"] and merged["usage_metadata"] == usage
