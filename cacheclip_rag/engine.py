@@ -7,6 +7,7 @@ methods share the same cache, mask and decode code, so their outputs are directl
 
 from __future__ import annotations
 
+import contextvars
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from .models import LoadedModel, int8_scorer, load_model, resolve_dtype
 from .recompute import forward_at, recompute
 from .rope import rotate_keys
 from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
-from .store import ChunkEntry, LMDBStore
+from .store import ChunkEntry, LMDBStore, tally_reads
 from .tier import DeviceTier
 
 
@@ -83,6 +84,7 @@ class Timings:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0
+    store: dict[str, float] = field(default_factory=dict)  # reads per tier: {tier}_hits, _misses, _s
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -91,7 +93,7 @@ class Timings:
     def as_dict(self) -> dict[str, float]:
         return {
             "load_s": self.load_s, "select_s": self.select_s, "recompute_s": self.recompute_s,
-            "ttft_s": self.ttft_s, "decode_tokens_per_s": self.decode_tokens_per_s,
+            "ttft_s": self.ttft_s, "decode_tokens_per_s": self.decode_tokens_per_s, "store": dict(self.store),
         }
 
 
@@ -248,7 +250,10 @@ class Engine:
     def prefill(self, question: str, texts: Sequence[str], options: RequestOptions) -> tuple[Plan, Prefill]:
         """The request's prompt layout and its method's prefill (cache and first-token logits)."""
         plan = self.plan(question, texts, options)
-        return plan, PREFILLS[options.method](self, plan, options)
+        with tally_reads() as tally:
+            prefill = PREFILLS[options.method](self, plan, options)
+        prefill.timings.store = tally.as_dict()
+        return plan, prefill
 
     def decode(self, plan: Plan, prefill: Prefill, options: RequestOptions, started: float | None = None) -> Stream:
         """Decode from a prefill; TTFT counts from `started` (default: now)."""
@@ -496,7 +501,8 @@ def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> P
     timings = Timings()
     t0 = _now(engine, options)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        selecting = pool.submit(_timed, engine.aux_selection, plan, options)  # syncs its own stream
+        # the aux's store reads count for this request too: the thread runs in a copy of this context
+        selecting = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, options)
         cache = engine.blended_cache(plan, options, options.shared_prefix)
         timings.load_s = _now(engine, options) - t0
         selected, timings.select_s = selecting.result()

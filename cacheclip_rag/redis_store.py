@@ -19,6 +19,7 @@ Needs `pip install 'cacheclip-rag[redis]'`.
 from __future__ import annotations
 
 import json
+import time
 import logging
 import secrets
 import threading
@@ -26,7 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .store import ChunkEntry, CorruptEntryError, LMDBStore, StoreError, StoreFullError, decode_entry, encode_entry
+from .store import (ChunkEntry, CorruptEntryError, LMDBStore, StoreError, StoreFullError, decode_entry, encode_entry,
+                    record_read)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class RedisStore:
 
     def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
         """Entries for `keys` in two round trips (entries or manifests, then any parts)."""
+        started = time.perf_counter()
         heads = self._call(self.client.mget, [self._entry(k) for k in keys]) if keys else []
         manifests = {i: json.loads(raw[len(_MANIFEST):]) for i, raw in enumerate(heads)
                      if raw is not None and raw.startswith(_MANIFEST)}
@@ -124,6 +127,7 @@ class RedisStore:
                           self.url, key.hex(), err)
                 self._call(self.client.rename, self._entry(key), self._quarantine_key(key))
                 found.append(None)
+        record_read("redis", found, time.perf_counter() - started)
         return found
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:

@@ -13,6 +13,7 @@ never served.
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import hashlib
 import json
@@ -23,7 +24,7 @@ import shutil
 import threading
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,46 @@ class ChunkEntry:
     @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() * 2
+
+
+class ReadTally:
+    """One request's store reads by tier ("device", "lmdb", "redis"): hits, misses and seconds. Stores
+    record into the tally set for the current context (`tally_reads`); none is set outside a request."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, tier: str, hits: int, misses: int, seconds: float) -> None:
+        with self._lock:
+            for name, value in (("hits", hits), ("misses", misses), ("s", seconds)):
+                key = f"{tier}_{name}"
+                self._counts[key] = self._counts.get(key, 0) + value
+
+    def as_dict(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counts)
+
+
+_TALLY: contextvars.ContextVar[ReadTally | None] = contextvars.ContextVar("cacheclip_read_tally", default=None)
+
+
+@contextmanager
+def tally_reads() -> Iterator[ReadTally]:
+    """Count the store reads made in this context (threads started with a copy of it included)."""
+    tally = ReadTally()
+    token = _TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.reset(token)
+
+
+def record_read(tier: str, found: Sequence[object | None], seconds: float) -> None:
+    tally = _TALLY.get()
+    if tally is not None:
+        hits = sum(e is not None for e in found)
+        tally.add(tier, hits, len(found) - hits, seconds)
 
 
 def entry_key(fingerprint: str, prefix_ids: Iterable[int], text: str, variant: str) -> bytes:
@@ -516,6 +557,7 @@ class LMDBStore:
         self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu"
     ) -> list[ChunkEntry | None]:
         """Entries for `keys` (None where missing or quarantined now); records the access for LRU."""
+        started = time.perf_counter()
         found: list[ChunkEntry | None] = []
         corrupted: list[tuple[bytes, bytes, str]] = []
         with self._transaction() as txn:
@@ -530,6 +572,7 @@ class LMDBStore:
             self._quarantine(corrupted)
         if not self.readonly:
             self._touch([k for k, e in zip(keys, found) if e is not None])
+        record_read("lmdb", found, time.perf_counter() - started)
         return found
 
     def quarantine(self, key: bytes, why: str) -> None:
@@ -726,4 +769,4 @@ class LMDBStore:
                 "file_bytes": (self.path / "data.mdb").stat().st_size}
 
 
-__all__ = ["ChunkEntry", "CorruptEntryError", "KVStore", "LMDBStore", "StoreError", "StoreFullError", "entry_key", "FORMAT_VERSION"]
+__all__ = ["ReadTally", "tally_reads", "ChunkEntry", "CorruptEntryError", "KVStore", "LMDBStore", "StoreError", "StoreFullError", "entry_key", "FORMAT_VERSION"]

