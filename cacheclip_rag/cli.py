@@ -67,9 +67,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_chunks(paths: list[str]) -> list[tuple[str, str]]:
-    """(file name, chunk) for every .md/.txt file under `paths`: markdown sections, else the whole file.
-    Checked before any model loads: a missing path or a file that is not UTF-8 text stops here."""
+def _read_chunks(paths: list[str], chunk_size: int | None = None) -> list[tuple[str, str]]:
+    """(file name, chunk) for every .md/.txt file under `paths`: markdown sections (else the whole file),
+    each split further by LlamaIndex's SentenceSplitter into chunks of at most `chunk_size` tokens of the
+    MiniLM embedder (so no chunk is cut short by its 256-token window). Checked before any model
+    loads: a missing path or a file that is not UTF-8 text stops here."""
     out = []
     for path in map(Path, paths):
         if not path.exists():
@@ -78,7 +80,16 @@ def _read_chunks(paths: list[str]) -> list[tuple[str, str]]:
             if file.suffix in {".md", ".txt"}:
                 text = _read_text(file)
                 out.extend((str(file), chunk) for chunk in split_sections(text) or [text] if chunk.strip())
-    return out
+    if chunk_size is None:
+        return out
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from .integrations.embeddings import MiniLM
+
+    tokenize = MiniLM().tokenizer.tokenize
+    splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=min(20, chunk_size // 8), tokenizer=tokenize)
+    return [(name, piece) for name, chunk in out
+            for piece in (splitter.split_text(chunk) if len(tokenize(chunk)) > chunk_size else [chunk]) if piece.strip()]
 
 
 def _read_text(file: Path) -> str:
@@ -118,7 +129,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     from .integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding
 
-    chunks = _read_chunks(args.paths)
+    if args.chunk_size < 16:
+        raise SystemExit(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
+    chunks = _read_chunks(args.paths, args.chunk_size)
     if not chunks:
         raise SystemExit("no .md or .txt text found")
     config = _config(args)
@@ -366,6 +379,8 @@ def parser() -> argparse.ArgumentParser:
     ingest.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                         help="compute the chunks' KV on Ray workers (a local cluster, or the one at ADDRESS)")
     ingest.add_argument("--ray-workers", type=int, default=2)
+    ingest.add_argument("--chunk-size", type=int, default=256,
+                        help="split sections longer than this many tokens (default 256: MiniLM's window)")
     ingest.set_defaults(func=cmd_ingest)
 
     query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))

