@@ -42,12 +42,16 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
     for length in sorted({r["length"] for r in rows}):
         mine = [r for r in rows if r["length"] == length]
         out += [f"### {length}-token contexts: means with bootstrap 95% intervals (n samples each)", "",
-                "| variant | n | score | solved (Wilson) | KL(full‖m) over full's answer | top-1 agreement | "
-                "first-token KL | Δ log p(gold) vs full, nats | recomputed share | TTFT s | speedup |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| variant | n | score | retention vs full | solved (Wilson) | KL(full‖m) over full's answer | "
+                "top-1 agreement | first-token KL | Δ log p(gold) vs full, nats | recomputed share | TTFT s | speedup |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        methods = {m["method"] if m["ratio"] is None else (m["method"], m["ratio"]): m
+                   for m in quality(records, length)["methods"]}
         for r in mine:
+            q = methods.get(r["variant"] if r["ratio"] is None else (r["variant"], r["ratio"]), {})
+            retention = _ci(q["retention"], ".2f") if "retention" in q else "–"
             out.append(
-                f"| {_label(r)} | {r['n']} | {_ci(r['score'], '.2f')} | {_ci(r['solved'], '.2f')} | {_ci(r['tf_kl'])} "
+                f"| {_label(r)} | {r['n']} | {_ci(r['score'], '.2f')} | {retention} | {_ci(r['solved'], '.2f')} | {_ci(r['tf_kl'])} "
                 f"| {_ci(r['tf_top1'], '.2f')} | {_ci(r['kl'])} | {_ci(r['gold_ll_delta'], '.2f')} "
                 f"| {r['recomputed_share']:.3f} | {r['ttft_s']:.2f} | {_num(r['speedup'], '.2f')}× |")
         out += ["", f"Scores per task ({length} tokens; mean over samples)", "",
@@ -203,6 +207,41 @@ def plot_alignment(maps: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def quality(records: Sequence[Record], length: int) -> dict:
+    """Per method and ratio at one context length: n, score with its interval, teacher-forced KL with
+    its interval, achieved recompute share; and the paired differences (for scripts that check claims)."""
+    rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["length"] == length]
+    full = next((r for r in rows if r["variant"] == "full"), None)
+    out = {"length": length, "methods": [], "paired": [d for d in paired_differences(records) if d["length"] == length]}
+    for r in rows:
+        mine = [x for x in records if x.length == length and x.variant == r["variant"] and x.ratio == r["ratio"]]
+        entry = {"method": r["variant"], "ratio": r["ratio"], "n": r["n"], "score": r["score"], "solved": r["solved"],
+                 "tf_kl": r["tf_kl"], "tf_top1": r["tf_top1"], "first_token_kl": r["kl"],
+                 "gold_ll_delta": r["gold_ll_delta"], "recompute_share": r["recomputed_share"],
+                 "recompute_share_range": [min(x.recomputed_share for x in mine), max(x.recomputed_share for x in mine)]}
+        if full is not None and full["score"]["mean"] > 0:
+            base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
+            pairs = [(x.score, base[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in base]
+            entry["retention"] = _retention(pairs)  # mean(method) / mean(full), resampled jointly
+        out["methods"].append(entry)
+    return out
+
+
+def _retention(pairs: Sequence[tuple[float, float]], resamples: int = 10_000, seed: int = 0) -> dict:
+    """mean(method score) / mean(full score) over paired samples, with a paired bootstrap 95% interval."""
+    import numpy as np
+
+    a = np.array([p[0] for p in pairs], dtype=np.float64)
+    b = np.array([p[1] for p in pairs], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(a), size=(resamples, len(a)))
+    sa, sb = a[idx].mean(1), b[idx].mean(1)
+    ok = sb > 0
+    ratios = sa[ok] / sb[ok]
+    return {"mean": float(a.mean() / b.mean()), "low": float(np.quantile(ratios, 0.025)),
+            "high": float(np.quantile(ratios, 0.975)), "n": int(len(a))}
+
+
 def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[AlignmentRow], maps: dict,
           meta: dict, headline_ratio: float) -> dict[str, Path]:
     """results.json, report.md and the PNGs into `out_dir`; returns their paths by name."""
@@ -215,6 +254,10 @@ def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[Alignmen
     body = {"meta": meta, "summary": summary(records), "paired": paired_differences(records),
             "records": records_as_dicts(records), "alignment": [asdict(a) for a in alignment]}
     paths["json"].write_text(json.dumps(body, indent=1))
+    for length in sorted({r.length for r in records}):
+        paths[f"quality_{length}"] = out_dir / f"quality_{length // 1024}k.json" if length % 1024 == 0 else \
+            out_dir / f"quality_{length}.json"
+        paths[f"quality_{length}"].write_text(json.dumps(quality(records, length), indent=1))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
     paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio))
     plot_score_vs_ratio(records, paths["score_vs_ratio"])
