@@ -1,5 +1,7 @@
 """Write each example script's notebook twin: `# %%` starts a code cell, `# %% [markdown]` a markdown
-cell. The tests check that every notebook holds exactly its script's cells."""
+cell. The tests check that every notebook holds exactly its script's cells. `--execute` runs each
+notebook (nbclient, an ipykernel) so it is committed with its outputs and plots inline:
+    python examples/make_notebooks.py --execute"""
 
 from __future__ import annotations
 
@@ -33,10 +35,19 @@ def notebook(script: str) -> nbformat.NotebookNode:
 
 
 def main() -> int:
+    execute = "--execute" in sys.argv[1:]
     for name in SCRIPTS:
         path = HERE / name
-        nbformat.write(notebook(path.read_text()), path.with_suffix(".ipynb"))
-        print(f"wrote {path.with_suffix('.ipynb').name}")
+        nb = notebook(path.read_text())
+        if execute:
+            import tempfile
+
+            from nbclient import NotebookClient
+
+            with tempfile.TemporaryDirectory() as cwd:  # files a notebook writes stay out of the repository
+                NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": cwd}}).execute()
+        nbformat.write(nb, path.with_suffix(".ipynb"))
+        print(f"wrote {path.with_suffix('.ipynb').name}{' (executed)' if execute else ''}")
     return 0
 
 
