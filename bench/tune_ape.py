@@ -1,26 +1,55 @@
-"""Held-out tuning of APE's temperature and scale (seeds 1000+, not in the evaluation), first-token KL to full."""
-import tempfile, statistics, itertools
+"""Held-out tuning of APE's attention temperature and scale for the primary: first-token KL to `full`
+on RULER samples no evaluation profile uses (seed 1000, one per task, 1K tokens), over a grid.
+Usage: python bench/tune_ape.py [--seed 1000] (prints the grid sorted by mean KL)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import tempfile
+
 from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
-from cacheclip_rag.evaluation.runner import token_counter, ruler_prompt
+from cacheclip_rag.evaluation.runner import ruler_prompt, token_counter
 from cacheclip_rag.models import load_model
 from cacheclip_rag.store import LMDBStore
-p = tempfile.mkdtemp()
-e = Engine(primary=load_model("gemma3-270m"), store=LMDBStore(p), config=EngineConfig(store_path=p, aux=None), aux=None)
-count = token_counter(e)
-grid = list(itertools.product((0.4, 0.5, 0.6, 0.7), (1.0, 1.05)))
-kls = {g: [] for g in grid}
-for task in ruler.TASKS:
-    s = ruler.generate(task, 1024, 1000, count)
-    chunks = ruler.sample_chunks(s, count)
-    with ruler_prompt(e, s):
-        e.ingest(chunks, progress=False, direct=False)
-        base = dict(max_new_tokens=1, answer_prefix=s.answer_prefix, prompt_stops=False)
-        full = e.generate(s.question, chunks, RequestOptions(method="full", **base))
-        for t, sc in grid:
-            a = e.generate(s.question, chunks, RequestOptions(method="ape", ape_temperature=t, ape_scale=sc, **base))
-            kls[(t, sc)].append(first_token_kl(full.first_logits, a.first_logits))
-for g in sorted(grid, key=lambda g: statistics.mean(kls[g])):
-    print(g, round(statistics.mean(kls[g]), 3), [round(x, 2) for x in kls[g]])
+
+TEMPERATURES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+SCALES = (0.9, 0.95, 1.0, 1.05)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--length", type=int, default=1024)
+    args = ap.parse_args()
+    path = tempfile.mkdtemp()
+    engine = Engine(primary=load_model("gemma3-270m"), store=LMDBStore(path), aux=None,
+                    config=EngineConfig(store_path=path, aux=None))
+    count = token_counter(engine)
+    grid = list(itertools.product(TEMPERATURES, SCALES))
+    kls: dict[tuple[float, float], list[float]] = {g: [] for g in grid}
+    for task in ruler.TASKS:
+        sample = ruler.generate(task, args.length, args.seed, count)
+        chunks = ruler.sample_chunks(sample, count)
+        with ruler_prompt(engine, sample):
+            engine.ingest(chunks, progress=False)
+            base = dict(max_new_tokens=1, answer_prefix=sample.answer_prefix, prompt_stops=False)
+            full = engine.generate(sample.question, chunks, RequestOptions(method="full", **base))
+            for temperature, scale in grid:
+                ape = engine.generate(sample.question, chunks, RequestOptions(
+                    method="ape", ape_temperature=temperature, ape_scale=scale, **base))
+                kls[temperature, scale].append(first_token_kl(full.first_logits, ape.first_logits))
+    print(f"APE on Gemma 3 270M, {len(ruler.TASKS)} held-out RULER samples at {args.length} tokens (seed {args.seed}): "
+          "first-token KL(full || ape), mean and per sample")
+    print("| temperature | scale | mean KL | per sample |")
+    print("|---|---|---|---|")
+    for g in sorted(grid, key=lambda g: statistics.mean(kls[g])):
+        print(f"| {g[0]} | {g[1]} | {statistics.mean(kls[g]):.3f} | {' '.join(f'{x:.2f}' for x in kls[g])} |")
+
+
+if __name__ == "__main__":
+    main()
