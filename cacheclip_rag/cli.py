@@ -239,7 +239,9 @@ def cmd_query(args: argparse.Namespace) -> int:
     print("sources:")
     for name, score in sources:
         print(f"  {name}" + ("" if score is None else f"  (score {score:.3f})"))
-    print({k: round(v, 4) for k, v in stream.answer.timings.as_dict().items()}, file=sys.stderr)
+    timings = stream.answer.timings.as_dict()
+    store = {k: round(v, 4) for k, v in timings.pop("store").items()}
+    print({**{k: round(v, 4) for k, v in timings.items()}, "store": store}, file=sys.stderr)
     return 0
 
 
