@@ -172,9 +172,9 @@ def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[s
     for name, device in ((config.primary, config.device), (config.aux, config.aux_device)):
         if name is None:
             continue
-        _, computed = ingest_on_ray(partial(load_model, name, device=device), store, texts, config.system_prompt,
-                                    workers=args.ray_workers, address=args.ray or None,
-                                    num_gpus=1 if device.startswith("cuda") else 0)
+        _, computed = ingest_on_ray(partial(load_model, name, device=device, dtype=config.dtype), store, texts,
+                                    config.system_prompt, workers=args.ray_workers, address=args.ray or None,
+                                    num_gpus=1 if device.startswith("cuda") else 0, store_dtype=config.store_dtype)
         print(f"{name}: {computed} chunks computed on Ray", file=sys.stderr)
 
 

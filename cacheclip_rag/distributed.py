@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .ingest import SHARED, chunk_key, precompute, prefix_cache, validate_chunks
+from .ingest import SHARED, chunk_key, precompute, prefix_cache, storage_dtype, validate_chunks
 from .models import LoadedModel
 
 
@@ -28,18 +28,20 @@ class IngestWorker:
     """One Ray actor: a model and a store connection, loaded once."""
 
     def __init__(self, model_factory: Callable[[], LoadedModel], store_factory: Callable, system_prompt: str,
-                 variant: str, threads: int):
+                 variant: str, threads: int, store_dtype: str = "auto"):
         torch.set_num_threads(threads)
         self.lm = model_factory()
         self.store = store_factory()
         self.system_prompt, self.variant = system_prompt, variant
+        self.store_dtype = storage_dtype(store_dtype, self.lm)
 
     def keys(self, texts: list[str]) -> list[bytes]:
         prefix = prefix_cache(self.lm, self.store, self.system_prompt)
         return [chunk_key(self.lm, prefix.token_ids, t, self.variant) for t in texts]
 
     def compute(self, texts: list[str]) -> int:
-        precompute(self.lm, self.store, texts, self.system_prompt, self.variant, batch_size=len(texts), progress=False)
+        precompute(self.lm, self.store, texts, self.system_prompt, self.variant, batch_size=len(texts), progress=False,
+                   store_dtype=self.store_dtype)
         return len(texts)
 
     def pid(self) -> int:
@@ -63,6 +65,7 @@ def ingest_on_ray(
     max_retries: int = 3,
     progress: bool = True,
     on_started: Callable[[list], None] | None = None,
+    store_dtype: str = "auto",
 ) -> tuple[list[bytes], int]:
     """Precompute `texts` on `workers` Ray actors into the store `store_factory()` opens in each.
 
@@ -70,7 +73,8 @@ def ingest_on_ray(
     store must be reachable from every worker (a Redis URL; an LMDB folder only on one machine).
     Connects to the cluster at `address` (None: the running one, else a local one). Returns the
     keys in input order and how many chunks were computed (0 on a rerun). `on_started` gets the
-    actor handles once they run (for tests that kill one)."""
+    actor handles once they run (for tests that kill one). `store_dtype` as `EngineConfig.store_dtype`
+    (resolved in each worker, for its model and device)."""
     try:
         import ray
         from ray.util import ActorPool
@@ -83,7 +87,7 @@ def ingest_on_ray(
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     remote = ray.remote(num_cpus=threads_per_worker, num_gpus=num_gpus, max_restarts=max_retries,
                         max_task_retries=max_retries)(IngestWorker)
-    actors = [remote.remote(model_factory, store_factory, system_prompt, variant, threads_per_worker)
+    actors = [remote.remote(model_factory, store_factory, system_prompt, variant, threads_per_worker, store_dtype)
               for _ in range(workers)]
     keys = ray.get(actors[0].keys.remote(list(texts)))
     store = store_factory()

@@ -25,8 +25,8 @@ from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
 from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
-                     validate_chunks)
-from .models import LoadedModel, int8_scorer, load_model, resolve_dtype
+                     storage_dtype, validate_chunks)
+from .models import LoadedModel, int8_scorer, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys
 from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
@@ -194,9 +194,7 @@ class Engine:
 
     def store_dtype(self, lm: LoadedModel) -> torch.dtype:
         """The dtype `lm`'s chunk caches are stored in (see `EngineConfig.store_dtype`)."""
-        if self.config.store_dtype != "auto":
-            return resolve_dtype(self.config.store_dtype, lm.device)
-        return lm.dtype if lm.device.type == "cuda" else torch.float16
+        return storage_dtype(self.config.store_dtype, lm)
 
     def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str,
                 system_prompt: str | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:

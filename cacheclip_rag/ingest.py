@@ -140,6 +140,16 @@ def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, encoded: list[En
 _FP16_MAX = 65504.0
 
 
+def storage_dtype(setting: str, lm: LoadedModel) -> torch.dtype:
+    """The dtype `lm`'s chunk caches are stored in: "auto" is the model's dtype on CUDA and float16
+    on the CPU (half the bytes, a first-token KL cost measured in bench/RESULTS.md); else the named one."""
+    from .models import resolve_dtype
+
+    if setting != "auto":
+        return resolve_dtype(setting, lm.device)
+    return lm.dtype if lm.device.type == "cuda" else torch.float16
+
+
 def as_stored(entry: ChunkEntry, dtype: torch.dtype | None) -> ChunkEntry:
     """The entry in the storage dtype; an entry whose values overflow float16 is kept in bfloat16 (same
     size, fp32's range) rather than stored as inf."""

@@ -74,3 +74,26 @@ def test_ray_ingest_equals_local_ingest_survives_a_killed_actor_and_reruns_nothi
         assert again == 0  # a rerun computes only what is missing: nothing
     finally:
         server.kill()
+
+
+def test_cli_ingest_on_ray_builds_the_index_and_the_store(cluster, tmp_path, capsys):
+    """`cacheclip ingest --ray` with a user's model folder: the KV is computed on the Ray workers, the
+    index is built, and a second run computes nothing."""
+    from cacheclip_rag.cli import main
+    from cacheclip_rag.testing import save_tiny_chat_model
+
+    folder = save_tiny_chat_model(tmp_path / "model", "llama", "llama3")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"note{i}.md").write_text(f"## Note {i}\n" + " ".join(TEXTS[i * 4:(i + 1) * 4]) + "\n")
+    args = ["ingest", str(docs), "--primary", str(folder), "--aux", "none", "--store", str(tmp_path / "kv"),
+            "--index", str(tmp_path / "index"), "--ray", "--ray-workers", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert f"{folder}: 3 chunks computed on Ray" in out.err and "ingested 3 new chunks" in out.out
+    with LMDBStore(tmp_path / "kv", readonly=True) as store:
+        assert store.stats()["entries"] == 4  # the prefix and three chunks, written by the workers
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert f"{folder}: 0 chunks computed on Ray" in out.err and "ingested 0 new chunks (3 already present)" in out.out
