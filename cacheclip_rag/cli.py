@@ -127,7 +127,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from llama_index.core.schema import TextNode
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    from .integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding
+    from .integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding, kv_texts
 
     if args.chunk_size < 16:
         raise SystemExit(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
@@ -135,13 +135,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if not chunks:
         raise SystemExit("no .md or .txt text found")
     config = _config(args)
-    if args.ray is not None:  # the chunks' KV on Ray workers first; the index build below then finds it stored
-        _ingest_on_ray(args, config, [chunk for _, chunk in chunks])
-    engine = Engine.from_config(config)
-    directory = _index_dir(args)
     # a node's id is a hash of its file and text: ingesting a document again adds nothing
     nodes = {_node_id(name, chunk): TextNode(id_=_node_id(name, chunk), text=chunk, metadata={"file": name})
              for name, chunk in chunks}
+    if args.ray is not None:  # the nodes' KV on Ray workers first (the very texts the index hook stores)
+        _ingest_on_ray(args, config, kv_texts(list(nodes.values())))
+    engine = Engine.from_config(config)
+    directory = _index_dir(args)
     with _index_lock(directory):
         if (directory / "docstore.json").exists():
             faiss_store = FaissVectorStore.from_persist_dir(str(directory))

@@ -56,13 +56,19 @@ def node_text(node: BaseNode) -> str:
     return text
 
 
-def attach_kv(engine: Engine, nodes: Sequence[BaseNode]) -> list[str]:
-    """Precompute and store the KV of each node (a no-op for what is stored) and record its key."""
-    for node in nodes:  # exclude before reading the text, so the key never enters it
+def kv_texts(nodes: Sequence[BaseNode]) -> list[str]:
+    """The texts the nodes' KV is stored under (their LLM text, metadata included; the KV key itself is
+    excluded first, so it never enters the text): what to precompute elsewhere, e.g. on Ray workers."""
+    for node in nodes:
         for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
             if KV_KEY not in excluded:
                 excluded.append(KV_KEY)
-    keys = [k.hex() for k in engine.ingest([node_text(n) for n in nodes], progress=len(nodes) > 8)] if nodes else []
+    return [node_text(n) for n in nodes]
+
+
+def attach_kv(engine: Engine, nodes: Sequence[BaseNode]) -> list[str]:
+    """Precompute and store the KV of each node (a no-op for what is stored) and record its key."""
+    keys = [k.hex() for k in engine.ingest(kv_texts(nodes), progress=len(nodes) > 8)] if nodes else []
     for node, key in zip(nodes, keys):
         node.metadata[KV_KEY] = key
     return keys

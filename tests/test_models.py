@@ -68,7 +68,8 @@ def test_a_local_model_folder_gets_its_own_chat_template(tmp_path, arch, templat
     folder = save_tiny_chat_model(tmp_path / "model", arch, template)
     lm = load_model(folder)
     engine = Engine(primary=lm, store=LMDBStore(tmp_path / "store"), aux=None,
-                    config=EngineConfig(store_path=tmp_path / "store", aux=None, system_prompt="Be brief."))
+                    config=EngineConfig(store_path=tmp_path / "store", aux=None, system_prompt="Be brief.",
+                                        store_dtype="float32"))
     plan = engine.plan(QUESTION, CHUNKS, RequestOptions(method="full"))
     user = "".join(c + lm.prompt.chunk_separator for c in CHUNKS) + "Question: " + QUESTION
     expected = lm.tokenizer.apply_chat_template(

@@ -76,6 +76,7 @@ def test_ray_ingest_equals_local_ingest_survives_a_killed_actor_and_reruns_nothi
         server.kill()
 
 
+@pytest.mark.slow
 def test_cli_ingest_on_ray_builds_the_index_and_the_store(cluster, tmp_path, capsys):
     """`cacheclip ingest --ray` with a user's model folder: the KV is computed on the Ray workers, the
     index is built, and a second run computes nothing."""

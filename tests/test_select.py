@@ -106,7 +106,7 @@ def test_int8_aux_selects_nearly_what_the_float_aux_selects(make_engine):
     engine = make_engine(lm)
     quantized = Engine(primary=lm, store=engine.store, aux=lm,
                        config=EngineConfig(store_path=engine.config.store_path, system_prompt="Be brief.",
-                                           aux_quantization="int8"))
+                                           aux_quantization="int8", store_dtype="float32"))
     assert engine.aux_scorer is None
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
