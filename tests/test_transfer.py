@@ -162,7 +162,7 @@ def test_migrate_moves_a_store_to_another_primary(pair, exact_mapper, tmp_path):
     source, target = pair
     chunks = texts(3, seed=21, sentences=5)
     store = LMDBStore(tmp_path / "store")
-    config = EngineConfig(store_path=tmp_path / "store", system_prompt="Be brief.")
+    config = EngineConfig(store_path=tmp_path / "store", system_prompt="Be brief.", store_dtype="float32")
     Engine(primary=source, store=store, config=config, aux=source).ingest(chunks, progress=False)
     report = migrate(store, source, target, exact_mapper, [*chunks, "never ingested"], "Be brief.", progress=False)
     assert (report.moved, report.already_present, report.missing) == (3, 0, 1)
@@ -173,7 +173,7 @@ def test_migrate_moves_a_store_to_another_primary(pair, exact_mapper, tmp_path):
     migrated = Engine(primary=target, store=store, config=config).generate("what was repaired?", chunks, options)
     fresh_store = LMDBStore(tmp_path / "fresh")
     native = Engine(primary=target, store=fresh_store, config=EngineConfig(store_path=tmp_path / "fresh",
-                    system_prompt="Be brief.")).generate("what was repaired?", chunks, options)
+                    system_prompt="Be brief.", store_dtype="float32")).generate("what was repaired?", chunks, options)
     assert max_diff(migrated.first_logits, native.first_logits) < 1e-3
     with pytest.raises(MapperError):
         migrate(store, target, source, exact_mapper, chunks, "Be brief.", progress=False)
