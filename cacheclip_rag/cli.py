@@ -295,20 +295,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(runner.VARIANTS)}")
     out = Path(args.out)
-    engine = Engine.from_config(config)
-    limit = args.limit_minutes * 60 if args.limit_minutes else None
-    records = runner.run(engine, profile, seed=args.seed, out_dir=out, limit_s=limit)
+    if args.report_only:  # the report of what the run folder holds, no model loaded
+        done = runner.load_records(out)
+        records = [r for job in runner.jobs_of(profile, args.seed) if job in done for r in done[job]]
+        if not records:
+            raise SystemExit(f"{out} holds no finished samples of this profile")
+        engine = None
+    else:
+        engine = Engine.from_config(config)
+        limit = args.limit_minutes * 60 if args.limit_minutes else None
+        records = runner.run(engine, profile, seed=args.seed, out_dir=out, limit_s=limit)
     if not records:
         print(f"no sample finished within the time limit; rerun the same command to resume {out}")
         return 0
     alignment, maps = [], {}
-    if engine.aux and profile.alignment_lengths and profile.alignment_samples:
+    if engine is not None and engine.aux and profile.alignment_lengths and profile.alignment_samples:
         alignment, maps = runner.alignment_study(engine, profile.alignment_lengths, seed=args.seed,
                                                  samples=profile.alignment_samples, progress=True)
     meta = {
         "date": datetime.date.today().isoformat(), "command": "cacheclip " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, device {config.device}",
-        "models": f"primary {engine.primary.name}, aux {engine.aux.name if engine.aux else None}",
+        "models": f"primary {config.primary}, aux {config.aux}",
         "profile": f"{profile.name}: lengths {profile.lengths}, {len(profile.tasks)} tasks x {profile.samples} samples "
                    f"per length, ratios {profile.ratios}, greedy, RULER wording; decode budget per sample fits its "
                    f"references (+8 tokens), ending once every reference is out",
@@ -403,6 +410,7 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--variants", default=None, help="comma-separated methods and ablations")
     evaluate.add_argument("--samples", default=None, help="samples per task: one count, or one per length (25,13)")
     evaluate.add_argument("--alignment-samples", type=int, default=None, help="prose samples per alignment length")
+    evaluate.add_argument("--report-only", action="store_true", help="write the report of the samples --out holds")
     evaluate.add_argument("--limit-minutes", type=float, default=None,
                           help="start no new sample after this long; rerun the same command to resume")
     evaluate.add_argument("--alignment-lengths", default=None, help="context lengths of the alignment study")

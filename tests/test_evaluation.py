@@ -311,3 +311,20 @@ def test_decode_budget_fits_every_tasks_longest_answer():
         answer = " " + ", ".join(sample.references)
         assert decode_budget(engine, sample) >= len(lm.encode(answer)), task
         assert ruler.score(lm.tokenizer.decode(lm.encode(answer)), sample.references) == 1.0, task
+
+
+def test_cli_report_only_writes_the_report_of_a_run_folder_without_models(make_engine, tmp_path, capsys):
+    from cacheclip_rag.cli import main
+
+    engine = make_engine(tiny_model("llama"))
+    profile = replace(runner.PROFILES["quick"], lengths=(160,), tasks=("single1",), samples=2, ratios=(0.5,),
+                      variants=("full", "cacheclip"), max_new_tokens=4)
+    runner.run(engine, profile, progress=False, out_dir=tmp_path / "run")
+    args = ["eval", "--profile", "quick", "--lengths", "160", "--tasks", "single1", "--samples", "2", "--ratios", "0.5",
+            "--variants", "full,cacheclip", "--out", str(tmp_path / "run"), "--report-only",
+            "--primary", str(tmp_path / "no-such-model")]  # no model is loaded
+    assert main(args) == 0
+    assert "| cacheclip @ 0.5 | 2 |" in (tmp_path / "run" / "report.md").read_text()
+    assert json.loads((tmp_path / "run" / "quality_160.json").read_text())["methods"][0]["n"] == 2
+    with pytest.raises(SystemExit, match="no finished samples"):
+        main([str(tmp_path / "empty") if a == str(tmp_path / "run") else a for a in args])
