@@ -66,36 +66,38 @@ class ForwardContext:
     chunk_scaling: ChunkScaling | None = None
 
 
-def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
+def _scores(query, key, mask, scaling, softcap) -> torch.Tensor:
+    """float32 attention logits [B, H, Tq, Tk], softcapped and masked."""
     key = repeat_kv(key, query.shape[1] // key.shape[1])
-    value = repeat_kv(value, query.shape[1] // value.shape[1])
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask.float()
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
-    return out, probs
+    return scores
+
+
+def _attend(probs: torch.Tensor, value: torch.Tensor, heads: int) -> torch.Tensor:
+    """probs [B, H, Tq, Tk] over values [B, KV, Tk, D] -> [B, Tq, H, D]."""
+    value = repeat_kv(value, heads // value.shape[1])
+    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
+
+
+def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
+    probs = torch.softmax(_scores(query, key, mask, scaling, softcap), dim=-1)
+    return _attend(probs, value, query.shape[1]), probs
 
 
 def chunk_scaled_attention(query, key, value, mask, scaling, softcap, chunks: ChunkScaling) -> torch.Tensor:
     """Attention [B, Tq, H, D] with APE's temperature and scale on the chunk rows (see `ChunkScaling`)."""
-    key = repeat_kv(key, query.shape[1] // key.shape[1])
-    value = repeat_kv(value, query.shape[1] // value.shape[1])
-    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores + mask.float()
+    scores = _scores(query, key, mask, scaling, softcap)
     start, stop = chunks.start, min(chunks.stop, scores.shape[-1])
     inside = scores[..., start:stop] / chunks.temperature
     lse = torch.logsumexp(inside, dim=-1, keepdim=True)
     lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # no chunk row visible (window)
     inside = inside + (chunks.scale * chunks.temperature - 1.0) * lse
     scores = torch.cat([scores[..., :start], inside, scores[..., stop:]], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
+    return _attend(torch.softmax(scores, dim=-1), value, query.shape[1])
 
 
 # The forward context is per thread: aux selection runs in a worker thread while the main thread

@@ -9,6 +9,14 @@ from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff
 
 
+def eager_last_layer(model, ids: list[int]) -> torch.Tensor:
+    """Last-layer attention [H, T, T] of a plain eager forward (the reference the selection must match)."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        return reference(input_ids=torch.tensor([ids]), output_attentions=True, use_cache=False).attentions[-1][0]
+
+
 def test_batched_stored_kv_scores_equal_plain_full_attention_forward(tiny, make_engine):
     """Selection over stored aux KV (all chunks batched) equals, chunk by chunk, the last-layer
     attention of a plain eager forward of prefix + chunk_i + question with output_attentions."""
@@ -18,14 +26,9 @@ def test_batched_stored_kv_scores_equal_plain_full_attention_forward(tiny, make_
     question_ids = aux.encode(aux.prompt.question(QUESTION))
     scores = aux_scores(aux, prefix, entries, question_ids)
 
-    reference = copy.deepcopy(aux.model)
-    reference.set_attn_implementation("eager")
     for text, got in zip(CHUNKS, scores):
         chunk_ids = aux.encode(chunk_unit(aux, text))
-        ids = list(prefix.token_ids) + chunk_ids + question_ids
-        with torch.no_grad():
-            out = reference(input_ids=torch.tensor([ids]), output_attentions=True, use_cache=False)
-        last = out.attentions[-1][0]  # [H, T, T]
+        last = eager_last_layer(aux.model, list(prefix.token_ids) + chunk_ids + question_ids)  # [H, T, T]
         p, n, q = len(prefix.token_ids), len(chunk_ids), len(question_ids)
         expected = last[:, -q:, p : p + n].mean(dim=(0, 1))
         assert got.shape == expected.shape
@@ -80,19 +83,19 @@ def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make
     aux = engine.aux
     prefix, entries = engine.entries(aux, CHUNKS, SHARED)
     ids, own = question_tokens(aux, QUESTION, " The special magic number is")
-    run_rows = []
-    real = select.forward_at
-    monkeypatch.setattr(select, "forward_at", lambda model, cache, ids_, *a, **k: run_rows.append(ids_.shape[1]) or real(model, cache, ids_, *a, **k))
+    run_rows, real = [], select.forward_at
+
+    def counting(model, cache, ids_, *args, **kwargs):
+        run_rows.append(ids_.shape[1])
+        return real(model, cache, ids_, *args, **kwargs)
+
+    monkeypatch.setattr(select, "forward_at", counting)
     scores = aux_scores(aux, prefix, entries, ids, own)
     keep = int(torch.nonzero(own).max()) + 1
     assert run_rows == [keep] and keep < len(ids)
-    reference = copy.deepcopy(aux.model)
-    reference.set_attn_implementation("eager")
     for text, got in zip(CHUNKS, scores):
         chunk_ids = aux.encode(chunk_unit(aux, text))
-        full = list(prefix.token_ids) + chunk_ids + ids
-        with torch.no_grad():
-            last = reference(input_ids=torch.tensor([full]), output_attentions=True, use_cache=False).attentions[-1][0]
+        last = eager_last_layer(aux.model, list(prefix.token_ids) + chunk_ids + ids)  # the whole question runs here
         p, n = len(prefix.token_ids), len(chunk_ids)
         rows = torch.nonzero(own).flatten() + p + n
         assert max_diff(got, last[:, rows, p : p + n].mean(dim=(0, 1))) < 1e-6
