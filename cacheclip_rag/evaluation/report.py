@@ -122,8 +122,10 @@ def plot_metric_vs_ratio(records: Sequence[Record], metric: str, ylabel: str, pa
     fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.2), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         mine = [r for r in rows if r["length"] == length]
-        baselines = iter([("black", "-"), ("gray", "--"), ("tab:brown", ":"), ("tab:olive", "-.")])
+        baselines = iter([("black", "-"), ("gray", "--"), ("tab:brown", ":"), ("tab:olive", "-."), ("tab:cyan", "--")])
         curves = iter(f"C{i}" for i in range(10))
+        curved = [v for v in dict.fromkeys(r["variant"] for r in mine) if any(r["ratio"] is not None for r in mine
+                                                                              if r["variant"] == v)]
         for variant in dict.fromkeys(r["variant"] for r in mine):
             own = [r for r in mine if r["variant"] == variant]
             if own[0]["ratio"] is None:
@@ -132,10 +134,12 @@ def plot_metric_vs_ratio(records: Sequence[Record], metric: str, ylabel: str, pa
                 ax.axhline(e["mean"], linestyle=style, linewidth=1.2, color=color, label=f"{variant} (n={own[0]['n']})")
                 ax.axhspan(e["low"], e["high"], color=color, alpha=0.08)
             else:
-                xs = [r["ratio"] for r in own]
+                dodge = (curved.index(variant) - (len(curved) - 1) / 2) * 0.006  # curves at one ratio side by side
+                xs = [r["ratio"] + dodge for r in own]
                 ys = [r[metric]["mean"] for r in own]
                 err = [[r[metric]["mean"] - r[metric]["low"] for r in own], [r[metric]["high"] - r[metric]["mean"] for r in own]]
                 ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=next(curves), label=f"{variant} (n={own[0]['n']})")
+        ax.set_xlim(0.0, max(0.55, max((r["ratio"] or 0.0) for r in mine) + 0.05))
         ax.set_xlabel("recompute ratio (share of chunk tokens)")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{length}-token contexts, 95% intervals")
