@@ -46,12 +46,9 @@ def decode_tokens(
         yield token
         if token in lm.eos_token_ids or step == max_new_tokens - 1:
             return
-        ids, row = torch.tensor([[token]]), position + step
-        if rope_shift or chunk_scaling is not None:
-            logits = forward_at(lm.model, cache, ids, torch.tensor([[row - rope_shift]]), slots=torch.tensor([row]),
-                                chunk_scaling=chunk_scaling)[0, -1]
-        else:
-            logits = forward_at(lm.model, cache, ids, torch.tensor([[row]]))[0, -1]
+        row = position + step
+        logits = forward_at(lm.model, cache, torch.tensor([[token]]), torch.tensor([[row - rope_shift]]),
+                            slots=torch.tensor([row]), chunk_scaling=chunk_scaling)[0, -1]
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from .cache import BlendedCache
 from .config import check_text
-from .models import LoadedModel
+from .models import LoadedModel, resolve_dtype
 from .recompute import forward_at
 from .store import ChunkEntry, LMDBStore, entry_key
 
@@ -143,8 +141,6 @@ _FP16_MAX = 65504.0
 def storage_dtype(setting: str, lm: LoadedModel) -> torch.dtype:
     """The dtype `lm`'s chunk caches are stored in: "auto" is the model's dtype on CUDA and float16
     on the CPU (half the bytes, a first-token KL cost measured in bench/RESULTS.md); else the named one."""
-    from .models import resolve_dtype
-
     if setting != "auto":
         return resolve_dtype(setting, lm.device)
     return lm.dtype if lm.device.type == "cuda" else torch.float16
@@ -157,7 +153,7 @@ def as_stored(entry: ChunkEntry, dtype: torch.dtype | None) -> ChunkEntry:
         return entry
     if dtype == torch.float16 and max(float(entry.keys.abs().amax()), float(entry.values.abs().amax())) > _FP16_MAX:
         dtype = torch.bfloat16
-    return dataclasses.replace(entry, keys=entry.keys.to(dtype), values=entry.values.to(dtype))
+    return replace(entry, keys=entry.keys.to(dtype), values=entry.values.to(dtype))
 
 
 def precompute(
@@ -186,7 +182,7 @@ def precompute(
     bar = tqdm(total=len(todo), desc=f"precompute {lm.name} ({variant})", unit="chunk", disable=not progress)
     for i in range(0, len(todo), batch_size):
         batch = todo[i : i + batch_size]
-        entries = [dataclasses.replace(as_stored(e, store_dtype), model=lm.name)
+        entries = [replace(as_stored(e, store_dtype), model=lm.name)
                    for e in _compute_batch(lm, behind, encoded[i : i + batch_size])]
         store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
         bar.update(len(batch))

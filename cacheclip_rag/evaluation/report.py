@@ -216,6 +216,7 @@ def quality(records: Sequence[Record], length: int) -> dict:
     its interval, achieved recompute share; and the paired differences (for scripts that check claims)."""
     rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["length"] == length]
     full = next((r for r in rows if r["variant"] == "full"), None)
+    base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
     out = {"length": length, "methods": [], "paired": [d for d in paired_differences(records) if d["length"] == length]}
     for r in rows:
         mine = [x for x in records if x.length == length and x.variant == r["variant"] and x.ratio == r["ratio"]]
@@ -224,7 +225,6 @@ def quality(records: Sequence[Record], length: int) -> dict:
                  "gold_ll_delta": r["gold_ll_delta"], "recompute_share": r["recomputed_share"],
                  "recompute_share_range": [min(x.recomputed_share for x in mine), max(x.recomputed_share for x in mine)]}
         if full is not None and full["score"]["mean"] > 0:
-            base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
             pairs = [(x.score, base[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in base]
             entry["retention"] = _retention(pairs)  # mean(method) / mean(full), resampled jointly
         out["methods"].append(entry)
@@ -255,7 +255,8 @@ def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[Alignmen
         "score_vs_ratio": out_dir / "score_vs_ratio.png", "fidelity_vs_ratio": out_dir / "fidelity_vs_ratio.png",
         "paired": out_dir / "paired.png", "tasks": out_dir / "tasks.png",
     }
-    body = {"meta": meta, "summary": summary(records), "paired": paired_differences(records),
+    paired = paired_differences(records)
+    body = {"meta": meta, "summary": summary(records), "paired": paired,
             "records": records_as_dicts(records), "alignment": [asdict(a) for a in alignment]}
     paths["json"].write_text(json.dumps(body, indent=1))
     for length in sorted({r.length for r in records}):
@@ -266,7 +267,7 @@ def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[Alignmen
     paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio))
     plot_score_vs_ratio(records, paths["score_vs_ratio"])
     plot_metric_vs_ratio(records, "tf_kl", "KL(full‖method) over full's answer, nats", paths["fidelity_vs_ratio"])
-    if paired_differences(records):
+    if paired:
         plot_paired(records, paths["paired"])
     else:
         del paths["paired"]
