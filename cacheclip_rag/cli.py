@@ -14,11 +14,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .chunking import split_sections
 from .config import METHODS, EngineConfig, RequestOptions, is_redis_url
 from .engine import Engine
 from .store import LMDBStore, StoreError
+
+if TYPE_CHECKING:
+    from llama_index.core.schema import Document, TextNode
 
 DEMO_QUESTIONS = (
     ("How many pistons support the Halvorsen mirror?", "96"),
@@ -67,42 +71,73 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_chunks(paths: list[str], chunk_size: int | None = None) -> list[tuple[str, str]]:
-    """(file name, chunk) for every .md/.txt file under `paths`: markdown sections (else the whole file),
-    each split further by LlamaIndex's SentenceSplitter into chunks of at most `chunk_size` tokens of the
-    MiniLM embedder (so no chunk is cut short by its 256-token window). Checked before any model
-    loads: a missing path or a file that is not UTF-8 text stops here."""
-    out = []
+TEXT_SUFFIXES = (".md", ".txt")
+
+
+def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> list[Document]:
+    """LlamaIndex's SimpleDirectoryReader over each path (a folder recursively, hidden files skipped), one
+    Document per file with its name as `file` metadata. Decoding is strict: a file that is not UTF-8,
+    is binary or is empty stops here, named, before any model loads; no file is skipped in silence."""
+    from llama_index.core import SimpleDirectoryReader
+
+    documents: list[Document] = []
     for path in map(Path, paths):
         if not path.exists():
             raise SystemExit(f"no such file or folder: {path}")
-        for file in sorted(path.rglob("*") if path.is_dir() else [path]):
-            if file.suffix in {".md", ".txt"}:
-                text = _read_text(file)
-                out.extend((str(file), chunk) for chunk in split_sections(text) or [text] if chunk.strip())
-    if chunk_size is None:
-        return out
-    from llama_index.core.node_parser import SentenceSplitter
-
-    from .integrations.embeddings import MiniLM
-
-    tokenize = MiniLM().tokenizer.tokenize
-    splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=min(20, chunk_size // 8), tokenizer=tokenize)
-    return [(name, piece) for name, chunk in out
-            for piece in (splitter.split_text(chunk) if len(tokenize(chunk)) > chunk_size else [chunk]) if piece.strip()]
+        if path.is_dir():
+            if not any(f.suffix in (suffixes or ()) for f in path.rglob("*") if f.is_file()):
+                continue
+            reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()))
+        else:
+            reader = SimpleDirectoryReader(input_files=[str(path)])
+        reader.file_metadata, reader.filename_as_id = (lambda name: {"file": name}), True
+        reader.errors, reader.raise_on_error = "strict", True
+        for file in sorted(reader.input_files):
+            documents.extend(_checked(file, reader))
+    return documents
 
 
-def _read_text(file: Path) -> str:
-    raw = file.read_bytes()
+def _checked(file: Path, reader: Any) -> list[Document]:
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise SystemExit(f"{file}: not UTF-8 text (byte {err.start}); convert it or leave it out") from None
+        loaded = reader.load_file(file, reader.file_metadata, reader.file_extractor, filename_as_id=True,
+                                  encoding="utf-8", errors="strict", raise_on_error=True)
+    except Exception as err:  # the reader wraps what it meets; the cause names the problem
+        cause = err if isinstance(err, UnicodeDecodeError) else err.__cause__ or err
+        if isinstance(cause, UnicodeDecodeError):
+            raise SystemExit(f"{file}: not UTF-8 text (byte {cause.start}); convert it or leave it out") from None
+        raise SystemExit(f"{file}: cannot be read ({cause})") from None
+    text = "".join(doc.text for doc in loaded)
     if "\x00" in text:
         raise SystemExit(f"{file}: binary data (NUL bytes), not text")
     if not text.strip():
         raise SystemExit(f"{file}: empty")
-    return text
+    return loaded
+
+
+def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNode]:
+    """The files under `paths` as LlamaIndex nodes: markdown files split at their headings by
+    MarkdownNodeParser (text before the first heading is a node of its own: nothing is dropped), then
+    every node longer than `chunk_size` tokens of the MiniLM embedder split by SentenceSplitter (so no
+    chunk is cut short by the embedder's 256-token window). Node ids hash the file and the text, so
+    ingesting a document again adds nothing."""
+    from llama_index.core.node_parser import MarkdownNodeParser, SentenceSplitter
+    from llama_index.core.schema import TextNode
+
+    documents = _load_documents(paths)
+    markdown = [d for d in documents if d.metadata["file"].endswith(".md")]
+    nodes = MarkdownNodeParser(include_prev_next_rel=False)(markdown)
+    nodes += [TextNode(text=d.text, metadata=dict(d.metadata)) for d in documents
+              if not d.metadata["file"].endswith(".md")]
+    if chunk_size is not None:
+        from .integrations.embeddings import MiniLM
+
+        splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=min(20, chunk_size // 8),
+                                    tokenizer=MiniLM().tokenizer.tokenize, include_prev_next_rel=False)
+        nodes = splitter(nodes)
+    out = [n for n in nodes if n.get_content().strip()]
+    for node in out:
+        node.id_ = _node_id(node.metadata["file"], node.get_content())
+    return out
 
 
 @contextmanager
@@ -124,20 +159,17 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     """Files -> chunks -> FAISS index (MiniLM embeddings, LlamaIndex) + each chunk's KV in the store."""
     import faiss
     from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
-    from llama_index.core.schema import TextNode
     from llama_index.vector_stores.faiss import FaissVectorStore
 
     from .integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding, kv_texts
 
     if args.chunk_size < 16:
         raise SystemExit(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
-    chunks = _read_chunks(args.paths, args.chunk_size)
-    if not chunks:
+    read = _read_nodes(args.paths, args.chunk_size)
+    if not read:
         raise SystemExit("no .md or .txt text found")
     config = _config(args)
-    # a node's id is a hash of its file and text: ingesting a document again adds nothing
-    nodes = {_node_id(name, chunk): TextNode(id_=_node_id(name, chunk), text=chunk, metadata={"file": name})
-             for name, chunk in chunks}
+    nodes = {node.node_id: node for node in read}  # ids hash file and text: a repeated chunk is one node
     if args.ray is not None:  # the nodes' KV on Ray workers first (the very texts the index hook stores)
         _ingest_on_ray(args, config, kv_texts(list(nodes.values())))
     engine = Engine.from_config(config)
@@ -213,8 +245,9 @@ def cmd_query(args: argparse.Namespace) -> int:
     _check_query_args(args)
     sources: list[tuple[str, float | None]] = []
     if args.chunk_files is not None:
-        chunks = [_read_text(Path(name)) for name in args.chunk_files]
-        sources = [(name, None) for name in args.chunk_files]
+        documents = _load_documents(args.chunk_files, suffixes=None)
+        chunks = [doc.text for doc in documents]
+        sources = [(doc.metadata["file"], None) for doc in documents]
     engine = Engine.from_config(_config(args))
     options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
     if args.chunk_files is None:

