@@ -1,6 +1,6 @@
 """What storing chunk caches in half precision costs: bytes per token and fidelity, side by side.
 
-For each storage dtype (float32, float16, bfloat16) the same RULER samples are ingested into a store
+For each storage dtype (float32, float16, bfloat16, float8 e4m3 with a scale per channel) the same RULER samples are ingested into a store
 of their own and answered by `shared_prefix` and `cacheclip`; the table gives the stored bytes per
 token of each model, and the first-token KL of each method against the same method over float32
 storage (the storage cost alone) and against `full` (the method's total), with bootstrap 95%
@@ -27,7 +27,7 @@ from cacheclip_rag.evaluation.stats import bootstrap_ci
 from cacheclip_rag.models import load_model
 from cacheclip_rag.store import LMDBStore
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 METHODS = ("shared_prefix", "cacheclip")
 
 

@@ -39,7 +39,8 @@ def demo_chunks() -> list[str]:
 
 def _config(args: argparse.Namespace) -> EngineConfig:
     overrides = {"primary": args.primary, "aux": None if str(args.aux).lower() == "none" else args.aux,
-                 "device": args.device, "aux_device": args.aux_device, "dtype": args.dtype}
+                 "device": args.device, "aux_device": args.aux_device, "dtype": args.dtype,
+                 "store_dtype": args.store_dtype}
     if args.store:
         overrides["store_path"] = args.store if is_redis_url(args.store) else Path(args.store)
     if getattr(args, "shared_store", None):
@@ -129,10 +130,10 @@ def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNod
     nodes += [TextNode(text=d.text, metadata=dict(d.metadata)) for d in documents
               if not d.metadata["file"].endswith(".md")]
     if chunk_size is not None:
-        from .integrations.embeddings import MiniLM
+        from .integrations.embeddings import minilm_tokenizer
 
         splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=min(20, chunk_size // 8),
-                                    tokenizer=MiniLM().tokenizer.tokenize, include_prev_next_rel=False)
+                                    tokenizer=minilm_tokenizer().tokenize, include_prev_next_rel=False)
         nodes = splitter(nodes)
     out = [n for n in nodes if n.get_content().strip()]
     for node in out:
@@ -402,6 +403,10 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--device", default="cpu")
         sp.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto: bfloat16 on CUDA, float32 on CPU")
+        sp.add_argument("--store-dtype", default="auto",
+                        choices=("auto", "float32", "bfloat16", "float16", "float8_e4m3fn"),
+                        help="how chunk caches are stored: auto = the model's dtype on CUDA, float16 on CPU; "
+                        "float8_e4m3fn = one byte an element with a scale per channel")
         sp.add_argument("--aux-device", default="cpu")
         sp.add_argument("--store", default=None, help="LMDB directory (default: user cache) or a redis:// URL")
         sp.add_argument("--shared-store", default=None, help="redis:// URL of a tier shared by machines, behind "

@@ -57,7 +57,8 @@ class EngineConfig:
     device_cache_bytes: int = 0  # > 0: keep hot chunk caches resident on `device` (LRU), e.g. 8 << 30 on a GPU
     dtype: str = "auto"  # model weights and KV: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
     # stored chunk KV: "auto" = the model's dtype on CUDA, float16 on the CPU (half the bytes; first-token
-    # KL against float32 storage measured in bench/RESULTS.md), or "float32" / "bfloat16" / "float16"
+    # KL against float32 storage measured in bench/RESULTS.md), or "float32" / "bfloat16" / "float16", or
+    # "float8_e4m3fn" (one byte an element plus a float32 scale per channel; read back as float32)
     store_dtype: str = "auto"
     aux_quantization: str | None = None  # "int8": the aux's selection pass runs int8 dynamic-quantized linears (CPU)
 
@@ -73,7 +74,7 @@ class EngineConfig:
         if not 1 <= self.threshold <= self.window:
             raise ValueError(f"threshold must be in [1, window={self.window}], got {self.threshold}")
         resolve_dtype(self.dtype, self.device)  # a clear error for an unknown dtype, before any model loads
-        if self.store_dtype != "auto":
+        if self.store_dtype not in ("auto", "float8_e4m3fn"):
             resolve_dtype(self.store_dtype, self.device)
         if self.aux_quantization not in (None, "int8"):
             raise ValueError(f"aux_quantization must be None or 'int8', got {self.aux_quantization!r}")

@@ -12,7 +12,7 @@ from .cache import BlendedCache
 from .config import check_text
 from .models import LoadedModel, resolve_dtype
 from .recompute import forward_at
-from .store import ChunkEntry, LMDBStore, entry_key
+from .store import FP8, ChunkEntry, LMDBStore, as_stored, entry_key
 
 SHARED, DIRECT, PREFIX = "shared", "direct", "prefix"
 
@@ -135,25 +135,16 @@ def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, encoded: list[En
     return entries
 
 
-_FP16_MAX = 65504.0
 
 
 def storage_dtype(setting: str, lm: LoadedModel) -> torch.dtype:
     """The dtype `lm`'s chunk caches are stored in: "auto" is the model's dtype on CUDA and float16
     on the CPU (half the bytes, a first-token KL cost measured in bench/RESULTS.md); else the named one."""
+    if setting == "float8_e4m3fn":
+        return FP8
     if setting != "auto":
         return resolve_dtype(setting, lm.device)
     return lm.dtype if lm.device.type == "cuda" else torch.float16
-
-
-def as_stored(entry: ChunkEntry, dtype: torch.dtype | None) -> ChunkEntry:
-    """The entry in the storage dtype; an entry whose values overflow float16 is kept in bfloat16 (same
-    size, fp32's range) rather than stored as inf."""
-    if dtype is None or entry.keys.dtype == dtype:
-        return entry
-    if dtype == torch.float16 and max(float(entry.keys.abs().amax()), float(entry.values.abs().amax())) > _FP16_MAX:
-        dtype = torch.bfloat16
-    return replace(entry, keys=entry.keys.to(dtype), values=entry.values.to(dtype))
 
 
 def precompute(

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .store import (ChunkEntry, CorruptEntryError, LMDBStore, StoreError, StoreFullError, decode_entry, encode_entry,
+from .store import (ChunkEntry, CorruptEntryError, as_stored, LMDBStore, StoreError, StoreFullError, decode_entry, encode_entry,
                     record_read)
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class TieredStore:
             for i, entry in zip(missing, fetched):
                 if entry is not None:
                     found[i] = entry
-                    fill.append((keys[i], fingerprint, entry))
+                    fill.append((keys[i], fingerprint, as_stored(entry, entry.stored_dtype)))  # float8 stays float8
             remote_hits = len(fill)
             if fill:
                 self.local.put_many(fill)  # read-through: the next request is local

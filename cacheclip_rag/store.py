@@ -5,7 +5,8 @@ One entry per (model fingerprint, shared-prefix token ids, chunk text, variant).
     [8-byte header length][header JSON][payload: K bytes, V bytes]
 
 The header holds the format version, the fingerprint digest, dtype, shape [L, KV, T, D], the
-chunk's token ids and character offsets, and a blake2b checksum over header fields and payload.
+chunk's token ids and character offsets (a float8_e4m3fn payload is followed by the float32
+per-channel scales of K and V, [L, KV, 1, D] each, and is read back as float32), and a blake2b checksum over header fields and payload.
 Reads verify the checksum on a zero-copy view inside the read transaction, then copy once into the
 destination tensor. A mismatch of fingerprint or format version, or a bad checksum, raises; it is
 never served.
@@ -26,7 +27,8 @@ import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import Protocol
 
@@ -38,7 +40,10 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _HEADER_LEN = struct.Struct("<Q")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float8_e4m3fn": torch.float8_e4m3fn}
+FP8 = torch.float8_e4m3fn  # stored with a float32 scale per channel (layer, head, dim): x = code * scale
+FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
 class StoreError(RuntimeError):
@@ -58,6 +63,10 @@ class ChunkEntry:
     token_ids: tuple[int, ...]
     offsets: tuple[tuple[int, int], ...]
     model: str = field(default="", compare=False)  # the model's name, for people reading `inspect`
+    # float8 keys/values only: their float32 scales per channel, [L, KV, 1, D] each (see `quantize_fp8`)
+    scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False)
+    # how a decoded entry was stored when that is not its own dtype (float8, read back as float32)
+    stored_dtype: torch.dtype | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +74,37 @@ class ChunkEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() * 2
+        scales = sum(t.numel() * t.element_size() for t in self.scales) if self.scales else 0
+        return self.keys.numel() * self.keys.element_size() * 2 + scales
+
+
+def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 codes and float32 scales per channel (amax over the tokens / 448), t: [L, KV, T, D].
+    Keys have outlier channels, so one scale per channel keeps the small ones from rounding to zero."""
+    scale = (t.detach().float().abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+_FP16_MAX = 65504.0
+
+
+def as_stored(entry: ChunkEntry, dtype: torch.dtype | None) -> ChunkEntry:
+    """The entry in the storage dtype; an entry whose values overflow float16 is kept in bfloat16 (same
+    size, fp32's range) rather than stored as inf; float8 gets a scale per channel (`quantize_fp8`)."""
+    if dtype is None or entry.keys.dtype == dtype:
+        return entry
+    if dtype == FP8:
+        (keys, key_scale), (values, value_scale) = quantize_fp8(entry.keys), quantize_fp8(entry.values)
+        return replace(entry, keys=keys, values=values, scales=(key_scale, value_scale))
+    if dtype == torch.float16 and max(float(entry.keys.abs().amax()), float(entry.values.abs().amax())) > _FP16_MAX:
+        dtype = torch.bfloat16
+    return replace(entry, keys=entry.keys.to(dtype), values=entry.values.to(dtype))
+
+
+@cache
+def _fp8_table() -> np.ndarray:
+    """float32 value of each of the 256 e4m3fn codes: decoding is a numpy table lookup (fork-safe)."""
+    return torch.arange(256, dtype=torch.uint8).view(FP8).float().numpy()
 
 
 class ReadTally:
@@ -138,9 +177,14 @@ def encode_entry(fingerprint: str, entry: ChunkEntry) -> bytes:
     if keys.shape != values.shape:
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
     dtype = str(keys.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported cache dtype {keys.dtype}")
+    if dtype not in _DTYPES or values.dtype != keys.dtype:
+        raise ValueError(f"unsupported cache dtypes {keys.dtype}, {values.dtype}")
     payload = _raw_bytes(keys) + _raw_bytes(values)
+    if keys.dtype == FP8:
+        scale_shape = (*keys.shape[:2], 1, keys.shape[3])
+        if entry.scales is None or any(tuple(t.shape) != scale_shape or t.dtype != torch.float32 for t in entry.scales):
+            raise ValueError(f"a float8 entry needs float32 scales of shape {list(scale_shape)} for K and V")
+        payload += b"".join(_raw_bytes(t.detach().to("cpu").contiguous()) for t in entry.scales)
     header = {
         "version": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -237,6 +281,8 @@ def _layout(header: dict, payload_bytes: int) -> tuple[torch.dtype, tuple[int, .
         raise CorruptEntryError(f"corrupted entry: {shape[2]} cached rows for {len(ids)} token ids and "
                                 f"{len(offsets)} offsets")
     expected = 2 * math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if dtype == FP8:
+        expected += 2 * shape[0] * shape[1] * shape[3] * 4
     if expected != payload_bytes:
         raise CorruptEntryError(f"corrupted entry: {payload_bytes} payload bytes for shape {shape} {header['dtype']}")
     return dtype, tuple(shape), tuple(ids), tuple(tuple(o) for o in offsets)
@@ -272,6 +318,26 @@ def _check_values(keys: torch.Tensor, values: torch.Tensor) -> None:
             raise CorruptEntryError("corrupted entry: keys are all zero")
 
 
+def _dequantized_fp8(payload: memoryview, shape: tuple[int, ...], device: torch.device | str
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 K and V from float8 codes and their per-channel scales (layout checked by `_layout`).
+    On the CPU numpy decodes (a table lookup, then the scale), single-threaded as `_tensor_from_bytes`."""
+    n, scale_shape = math.prod(shape), (shape[0], shape[1], 1, shape[3])
+    m = math.prod(scale_shape)
+    parts = (payload[:n], payload[n : 2 * n])
+    scales = [payload[2 * n + 4 * m * i : 2 * n + 4 * m * (i + 1)] for i in range(2)]
+    out = []
+    for codes, scale in zip(parts, scales):
+        if torch.device(device).type == "cpu":
+            values = _fp8_table()[np.frombuffer(codes, dtype=np.uint8)].reshape(shape)
+            values *= np.frombuffer(scale, dtype=np.float32).reshape(scale_shape)
+            out.append(torch.from_numpy(values))
+        else:
+            q = _tensor_from_bytes(codes, shape, FP8, device)
+            out.append(q.float() * _tensor_from_bytes(scale, scale_shape, torch.float32, device))
+    return out[0], out[1]
+
+
 def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry:
     """Verify and decode an entry; `raw` may be a zero-copy buffer valid only inside its transaction.
 
@@ -285,11 +351,15 @@ def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device
             f"entry was written by model {header.get('fingerprint')}, not by the requested model {fingerprint}"
         )
     dtype, shape, token_ids, offsets = _layout(header, len(payload))
-    half = len(payload) // 2
-    keys = _tensor_from_bytes(payload[:half], shape, dtype, device)
-    values = _tensor_from_bytes(payload[half:], shape, dtype, device)
+    if dtype == FP8:
+        keys, values = _dequantized_fp8(payload, shape, device)
+    else:
+        half = len(payload) // 2
+        keys = _tensor_from_bytes(payload[:half], shape, dtype, device)
+        values = _tensor_from_bytes(payload[half:], shape, dtype, device)
     _check_values(keys, values)
-    return ChunkEntry(keys=keys, values=values, token_ids=token_ids, offsets=offsets)
+    return ChunkEntry(keys=keys, values=values, token_ids=token_ids, offsets=offsets, model=str(header.get("model", "")),
+                      stored_dtype=FP8 if dtype == FP8 else None)
 
 
 class StoreFullError(StoreError):

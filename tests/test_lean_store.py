@@ -73,3 +73,71 @@ def test_inspect_prints_bytes_per_token_and_model_names(tmp_path):
     out = subprocess.run([sys.executable, "-m", "cacheclip_rag.cli", "inspect", "--store", str(tmp_path / "store")],
                          capture_output=True, text=True, check=True).stdout
     assert "tiny-qwen2-0" in out and "KB/token" in out and "float16" in out
+
+
+def _fp8_reference(t: torch.Tensor) -> torch.Tensor:
+    """Independent e4m3 round trip with one scale per channel (layer, head, dim), in plain torch."""
+    scale = t.abs().amax(dim=2, keepdim=True) / 448.0
+    return (t / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def test_float8_entries_round_trip_through_the_format_as_their_quantization():
+    from cacheclip_rag.store import FP8, CorruptEntryError, decode_entry, encode_entry
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, 2, 7, 8), torch.randn(3, 2, 7, 8) * 0.01
+    keys[..., 3] *= 50  # an outlier channel must not crush the others: scales are per channel
+    entry = as_stored(ChunkEntry(keys, values, tuple(range(7)), tuple((i, i + 1) for i in range(7)), model="m"), FP8)
+    assert entry.keys.dtype == FP8 and entry.scales[0].shape == (3, 2, 1, 8)
+    raw = encode_entry("fp", entry)
+    half = encode_entry("fp", ChunkEntry(keys.half(), values.half(), entry.token_ids, entry.offsets, model="m"))
+    # K and V one byte less an element, plus two float32 scales a channel (and the longer dtype name)
+    assert len(raw) - len(half) == -2 * keys.numel() + 2 * 3 * 2 * 8 * 4 + len("float8_e4m3fn") - len("float16")
+    decoded = decode_entry(raw, "fp")
+    assert decoded.keys.dtype == torch.float32 and decoded.stored_dtype == FP8 and decoded.model == "m"
+    torch.testing.assert_close(decoded.keys, _fp8_reference(keys), rtol=1e-6, atol=0)
+    torch.testing.assert_close(decoded.values, _fp8_reference(values), rtol=1e-6, atol=0)
+    # e4m3 keeps 3 mantissa bits: each element within 1/16 of its own magnitude (or of the channel's
+    # amax / 2^9 below the normal range)
+    bound = keys.abs() / 16 + keys.abs().amax(2, keepdim=True) / 448 * 2**-9
+    assert bool(((decoded.keys - keys).abs() <= bound + 1e-7).all())
+    # the quantization of a decoded entry is the same entry (a tier filling from another one keeps it)
+    again = decode_entry(encode_entry("fp", as_stored(decoded, decoded.stored_dtype)), "fp")
+    assert torch.equal(again.keys, decoded.keys) and torch.equal(again.values, decoded.values)
+    damaged = bytearray(raw)
+    damaged[-3] ^= 0x10  # inside V's scales
+    try:
+        decode_entry(bytes(damaged), "fp")
+    except CorruptEntryError:
+        pass
+    else:
+        raise AssertionError("a flipped scale byte was served")
+
+
+def test_float8_storage_halves_float16_and_the_engine_answers_from_the_dequantized_cache(tmp_path):
+    lm = tiny_model("qwen2")
+    fp8, exact = (_engine(tmp_path / "a", lm, store_dtype="float8_e4m3fn"),
+                  _engine(tmp_path / "b", lm, store_dtype="float32"))
+    for engine in (fp8, exact):
+        engine.ingest(CHUNKS, progress=False)
+    stored, reference = _stored(fp8, CHUNKS[0]), _stored(exact, CHUNKS[0])
+    torch.testing.assert_close(stored.keys, _fp8_reference(reference.keys), rtol=1e-6, atol=0)
+    row = fp8.store.stats()["models"][lm.fingerprint.digest]
+    assert row["dtypes"] == ["float32", "float8_e4m3fn"]  # the shared prefix stays exact
+    layers, kv, dim = 3, 2, 16
+    assert 2 * layers * kv * dim < row["bytes_per_token"] < 2 * layers * kv * dim * 2  # < float16's per token
+    options = RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=1)
+    a = fp8.generate(QUESTION, CHUNKS, options).first_logits
+    b = exact.generate(QUESTION, CHUNKS, options).first_logits
+    assert 0 < max_diff(a, b) < 0.1 * float(b.abs().max())
+    full = exact.generate(QUESTION, CHUNKS, RequestOptions(method="full", max_new_tokens=1)).first_logits
+    torch.testing.assert_close(fp8.generate(QUESTION, CHUNKS, RequestOptions(method="full", max_new_tokens=1)).first_logits,
+                               full)  # full reads no stored chunk: unchanged
+
+
+def test_config_accepts_float8_storage_and_names_bad_dtypes():
+    import pytest
+
+    assert EngineConfig(store_dtype="float8_e4m3fn").store_dtype == "float8_e4m3fn"
+    with pytest.raises(ValueError, match="dtype must be"):
+        EngineConfig(store_dtype="float8")

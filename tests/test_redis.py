@@ -131,6 +131,24 @@ def test_large_entries_are_split_and_read_whole(redis_server):
         assert sum(g is None for g in got) == 1
 
 
+def test_a_remote_hit_fills_the_local_tier_in_the_stored_dtype(redis_server, tmp_path):
+    """A float8 entry read from Redis is decoded to float32; the local tier it fills must hold the
+    same float8 entry (a quarter of the bytes), not the decoded float32."""
+    from cacheclip_rag.store import FP8, as_stored
+
+    entry = as_stored(synthetic_entry(0), FP8)
+    remote = RedisStore(redis_server.unix_url, namespace="fp8-fill")
+    remote.put(synthetic_key(0), FINGERPRINT, entry)
+    tiered = TieredStore(LMDBStore(tmp_path / "local"), remote)
+    got = tiered.get(synthetic_key(0), FINGERPRINT)
+    assert tiered.remote_hits == 1 and got.keys.dtype == torch.float32
+    row = tiered.local.stats()["models"][FINGERPRINT]
+    assert row["dtypes"] == ["float8_e4m3fn"]
+    local = tiered.local.get(synthetic_key(0), FINGERPRINT)
+    assert torch.equal(local.keys, got.keys) and torch.equal(local.values, got.values)
+    tiered.close()
+
+
 def _ingest_in_another_process(url: str, out: str) -> None:
     code = ("import sys; from cacheclip_rag.redis_store import RedisStore; from cacheclip_rag.ingest import SHARED, "
             "precompute; from cacheclip_rag.testing import tiny_model\n"
