@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -304,7 +306,10 @@ class CacheClipSynthesizer(BaseSynthesizer):
         # the default reads as the engine lays the prompt out: system prompt, the chunks, the question
         self._text_qa_template = self._checked(text_qa_template or PromptTemplate(
             engine.config.system_prompt + "\n{context_str}\n{query_str}"))
-        self._metadata: dict = {}
+        # a streamed answer's generator -> its request's metadata, until the response takes it: per call,
+        # so concurrent queries on one synthesizer never swap their metadata
+        self._stream_metadata: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._stream_lock = threading.Lock()
 
     @classmethod
     def class_name(cls) -> str:
@@ -331,8 +336,9 @@ class CacheClipSynthesizer(BaseSynthesizer):
         if "text_qa_template" in prompts:
             self._text_qa_template = self._checked(prompts["text_qa_template"])
 
-    def _request(self, query_str: str, text_chunks: Sequence[str], overrides: dict) -> tuple[str, dict]:
-        """The prompt text (for events and token counts) and the LLM call's keyword arguments."""
+    def _request(self, query_str: str, text_chunks: Sequence[str], overrides: dict) -> tuple[str, dict, dict]:
+        """The prompt text (for events and token counts), the LLM call's keyword arguments and the
+        response metadata this call fills."""
         if not text_chunks or any(not t or not t.strip() for t in text_chunks):
             raise ValueError("a node has no text to answer from")
         head, tail = self._text_qa_template.get_template().split("{context_str}", 1)
@@ -341,20 +347,19 @@ class CacheClipSynthesizer(BaseSynthesizer):
         # the template's head is this request's shared prefix: chunks are cached behind a new one once
         options = replace(options, system_prompt=head.strip() or None)
         prompt = self._text_qa_template.format(context_str="\n\n".join(text_chunks), query_str=query_str)
-        self._metadata = {"method": options.method, "ratio": options.ratio}
+        metadata = {"method": options.method, "ratio": options.ratio}
         return prompt, {"cacheclip_chunks": list(text_chunks), "cacheclip_question": question,
                         "cacheclip_options": options, "max_tokens": options.max_new_tokens,
-                        "temperature": options.temperature}
+                        "temperature": options.temperature}, metadata
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
-        prompt, kwargs = self._request(query_str, text_chunks, response_kwargs)
-        metadata = self._metadata
+        prompt, kwargs, metadata = self._request(query_str, text_chunks, response_kwargs)
         # LlamaIndex's resolve_llm hands the LLM the index's callback manager: this synthesizer's governs
         self._llm.callback_manager = self._callback_manager
         if not self._streaming:
             response = self._llm.complete(prompt, **kwargs)
             metadata.update(response.additional_kwargs)
-            return response.text
+            return _AnswerText(response.text, metadata)
 
         def pieces() -> Iterator[str]:
             for response in self._llm.stream_complete(prompt, **kwargs):
@@ -362,17 +367,42 @@ class CacheClipSynthesizer(BaseSynthesizer):
                     yield response.delta
                 metadata.update(response.additional_kwargs)
 
-        return pieces()
+        return self._remember(pieces(), metadata)
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
+        answer = await asyncio.to_thread(self.get_response, query_str, text_chunks, **response_kwargs)
         if not self._streaming:
-            return await asyncio.to_thread(self.get_response, query_str, text_chunks, **response_kwargs)
-        return aiter_in_thread(await asyncio.to_thread(self.get_response, query_str, text_chunks, **response_kwargs))
+            return answer
+        return self._remember(aiter_in_thread(answer), self._take(answer))
+
+    def _remember(self, stream: Any, metadata: dict) -> Any:
+        with self._stream_lock:
+            self._stream_metadata[stream] = metadata
+        return stream
+
+    def _take(self, stream: Any) -> dict:
+        with self._stream_lock:
+            return self._stream_metadata.pop(stream, {})
 
     def _prepare_response_output(self, response_str, source_nodes):
+        if isinstance(response_str, _AnswerText):
+            metadata, response_str = response_str.metadata, str(response_str)
+        else:
+            metadata = self._take(response_str)
         response = super()._prepare_response_output(response_str, source_nodes)
-        response.metadata = {**(response.metadata or {}), "cacheclip": self._metadata}
+        response.metadata = {**(response.metadata or {}), "cacheclip": metadata}
         return response
+
+
+class _AnswerText(str):
+    """An answer's text carrying its own request's metadata from `get_response` to the response."""
+
+    metadata: dict
+
+    def __new__(cls, text: str, metadata: dict) -> _AnswerText:
+        self = super().__new__(cls, text)
+        self.metadata = metadata
+        return self
 
 
 class MiniLMEmbedding(HuggingFaceEmbedding):

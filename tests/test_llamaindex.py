@@ -277,6 +277,68 @@ def test_synthesizer_emits_callback_and_instrumentation_events_with_token_counts
     assert text
 
 
+def test_concurrent_queries_on_one_synthesizer_keep_their_own_metadata(make_engine, lm, embed_model):
+    """Two threads query one synthesizer with different methods; a callback at the LLM's start holds
+    each until both have built their requests, the interleaving where per-instance state would swap
+    the responses' metadata. Each answer carries its own method and equals the core's answer."""
+    import asyncio
+    import threading
+
+    from llama_index.core.callbacks import CallbackManager, CBEventType
+    from llama_index.core.callbacks.base_handler import BaseCallbackHandler
+
+    class BothStarted(BaseCallbackHandler):
+        def __init__(self):
+            super().__init__([], [])
+            self.barrier = threading.Barrier(2, timeout=300)
+
+        def on_event_start(self, event_type, payload=None, event_id="", parent_id="", **kwargs):
+            if event_type == CBEventType.LLM:
+                self.barrier.wait()
+            return event_id
+
+        def on_event_end(self, event_type, payload=None, event_id="", **kwargs):
+            pass
+
+        def start_trace(self, trace_id=None):
+            pass
+
+        def end_trace(self, trace_id=None, trace_map=None):
+            pass
+
+    engine = make_engine(lm)
+    index = build_index(engine, embed_model)
+    nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
+    for streaming in (False, True):
+        synth = CacheClipSynthesizer(engine, OPTIONS, streaming=streaming, callback_manager=CallbackManager([BothStarted()]))
+        results: dict = {}
+
+        def ask(method):
+            response = synth.synthesize(QUESTION, nodes, method=method)
+            text = "".join(response.response_gen) if streaming else response.response
+            results[method] = (text, response.metadata["cacheclip"])
+
+        threads = [threading.Thread(target=ask, args=(m,)) for m in ("full", "cacheclip")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        chunks = [node_text(n.node) for n in nodes]
+        for method, (text, metadata) in results.items():
+            assert metadata["method"] == method and metadata["prompt_tokens"] > 0
+            assert text == engine.generate(QUESTION, chunks, replace(OPTIONS, method=method)).text
+        assert len(results) == 2
+    streamed = CacheClipSynthesizer(engine, OPTIONS, streaming=True)
+
+    async def both():
+        responses = await asyncio.gather(streamed.asynthesize(QUESTION, nodes, method="full"),
+                                         streamed.asynthesize(QUESTION, nodes, method="cacheclip"))
+        return [("".join([p async for p in r.async_response_gen()]), r.metadata["cacheclip"]) for r in responses]
+
+    for (text, metadata), method in zip(asyncio.run(both()), ("full", "cacheclip")):
+        assert metadata["method"] == method and metadata["prompt_tokens"] > 0
+
+
 def test_llm_honours_max_tokens_and_temperature_and_round_trips(make_engine, lm, tmp_path):
     from cacheclip_rag.config import EngineConfig
     from cacheclip_rag.testing import save_tiny_chat_model
