@@ -4,6 +4,7 @@ bytes per token and model names in `inspect`."""
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
@@ -136,8 +137,19 @@ def test_float8_storage_halves_float16_and_the_engine_answers_from_the_dequantiz
 
 
 def test_config_accepts_float8_storage_and_names_bad_dtypes():
-    import pytest
-
     assert EngineConfig(store_dtype="float8_e4m3fn").store_dtype == "float8_e4m3fn"
     with pytest.raises(ValueError, match="dtype must be"):
         EngineConfig(store_dtype="float8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_float8_entries_decode_on_cuda_as_on_the_cpu():
+    from cacheclip_rag.store import FP8, decode_entry, encode_entry
+
+    torch.manual_seed(1)
+    entry = as_stored(ChunkEntry(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8), tuple(range(5)), ()), FP8)
+    raw = encode_entry("fp", entry)
+    cpu, gpu = decode_entry(raw, "fp"), decode_entry(raw, "fp", device="cuda")
+    assert gpu.keys.device.type == "cuda"
+    assert torch.equal(gpu.keys.cpu(), cpu.keys) and torch.equal(gpu.values.cpu(), cpu.values)
