@@ -47,6 +47,7 @@ step() {  # step NAME WANT_S CMD...: run CMD with min(WANT_S, budget left) secon
 }
 
 step kernel_tests 100 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_kernel.py
+step fp8_decode 40 python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_lean_store.py -k cuda
 step kernel_bench 90 python3 bench/bench_kernel.py --contexts 16384 --ratios 0.2 --json "$out/kernel_h200.json"
 step e2e_16k 170 python3 bench/bench_gpu_e2e.py --lengths 16384 --ratios 0.2 --repeats 3 --tier host \
     --json "$out/gpu_e2e_h200.json"
