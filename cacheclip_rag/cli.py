@@ -86,9 +86,10 @@ def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SU
         if not path.exists():
             raise SystemExit(f"no such file or folder: {path}")
         if path.is_dir():
-            if not any(f.suffix in (suffixes or ()) for f in path.rglob("*") if f.is_file()):
+            try:
+                reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()))
+            except ValueError:  # the reader's "No files found": nothing of ours in this folder
                 continue
-            reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()))
         else:
             reader = SimpleDirectoryReader(input_files=[str(path)])
         reader.file_metadata, reader.filename_as_id = (lambda name: {"file": name}), True

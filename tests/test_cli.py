@@ -93,6 +93,9 @@ def test_the_cli_reads_files_with_llamaindex_readers_and_parsers_and_drops_nothi
     assert nodes[3].metadata["header_path"] == "/Guide/A/"
     assert [n.node_id for n in _read_nodes([str(docs)])] == [n.node_id for n in nodes]
     assert len({n.node_id for n in nodes}) == len(nodes)
+    (tmp_path / "pictures").mkdir()
+    (tmp_path / "pictures" / "image.png").write_bytes(b"\x89PNG")
+    assert _read_nodes([str(tmp_path / "pictures")]) == []  # nothing to read is not an error here (ingest says so)
 
 
 def test_maintenance_on_a_mistyped_path_creates_nothing(tmp_path):
