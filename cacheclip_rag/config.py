@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .models import DEFAULT_SYSTEM_PROMPT, cache_dir, resolve_dtype
+from .store import STORE_DTYPES
 
 METHODS = ("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle")
 
@@ -74,8 +75,8 @@ class EngineConfig:
         if not 1 <= self.threshold <= self.window:
             raise ValueError(f"threshold must be in [1, window={self.window}], got {self.threshold}")
         resolve_dtype(self.dtype, self.device)  # a clear error for an unknown dtype, before any model loads
-        if self.store_dtype not in ("auto", "float8_e4m3fn"):
-            resolve_dtype(self.store_dtype, self.device)
+        if self.store_dtype != "auto":
+            resolve_dtype(self.store_dtype, self.device, STORE_DTYPES)
         if self.aux_quantization not in (None, "int8"):
             raise ValueError(f"aux_quantization must be None or 'int8', got {self.aux_quantization!r}")
         if self.aux_quantization is not None and self.aux_device != "cpu":

@@ -12,7 +12,7 @@ from .cache import BlendedCache
 from .config import check_text
 from .models import LoadedModel, resolve_dtype
 from .recompute import forward_at
-from .store import FP8, ChunkEntry, LMDBStore, as_stored, entry_key
+from .store import STORE_DTYPES, ChunkEntry, LMDBStore, as_stored, entry_key
 
 SHARED, DIRECT, PREFIX = "shared", "direct", "prefix"
 
@@ -135,15 +135,11 @@ def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, encoded: list[En
     return entries
 
 
-
-
 def storage_dtype(setting: str, lm: LoadedModel) -> torch.dtype:
     """The dtype `lm`'s chunk caches are stored in: "auto" is the model's dtype on CUDA and float16
     on the CPU (half the bytes, a first-token KL cost measured in bench/RESULTS.md); else the named one."""
-    if setting == "float8_e4m3fn":
-        return FP8
     if setting != "auto":
-        return resolve_dtype(setting, lm.device)
+        return resolve_dtype(setting, lm.device, STORE_DTYPES)
     return lm.dtype if lm.device.type == "cuda" else torch.float16
 
 

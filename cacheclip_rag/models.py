@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -318,18 +319,19 @@ def _convert(gguf_path: Path, folder: Path, chat_template: str | None) -> Path:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device,
+                  names: Mapping[str, torch.dtype] = DTYPES) -> torch.dtype:
     """"auto" is bfloat16 on CUDA (float16 where the GPU lacks bf16) and float32 elsewhere (CPU matmuls
-    in half precision are slower, not faster)."""
+    in half precision are slower, not faster); else one of `names` (the compute dtypes by default)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    if dtype not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(names)}, got {dtype!r}")
+    return names[dtype]
 
 
 def load_model(

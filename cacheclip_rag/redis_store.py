@@ -27,8 +27,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .store import (ChunkEntry, CorruptEntryError, as_stored, LMDBStore, StoreError, StoreFullError, decode_entry, encode_entry,
-                    record_read)
+from .store import (ChunkEntry, CorruptEntryError, LMDBStore, StoreError, StoreFullError, as_stored, decode_entry,
+                    encode_entry, record_read)
 
 log = logging.getLogger(__name__)
 

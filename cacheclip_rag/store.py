@@ -5,8 +5,9 @@ One entry per (model fingerprint, shared-prefix token ids, chunk text, variant).
     [8-byte header length][header JSON][payload: K bytes, V bytes]
 
 The header holds the format version, the fingerprint digest, dtype, shape [L, KV, T, D], the
-chunk's token ids and character offsets (a float8_e4m3fn payload is followed by the float32
-per-channel scales of K and V, [L, KV, 1, D] each, and is read back as float32), and a blake2b checksum over header fields and payload.
+chunk's token ids and character offsets, and a blake2b checksum over header fields and payload. A
+float8_e4m3fn payload is followed by the float32 per-channel scales of K and V ([L, KV, 1, D] each)
+and is read back as float32.
 Reads verify the checksum on a zero-copy view inside the read transaction, then copy once into the
 destination tensor. A mismatch of fingerprint or format version, or a bad checksum, raises; it is
 never served.
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _HEADER_LEN = struct.Struct("<Q")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float8_e4m3fn": torch.float8_e4m3fn}
+# the dtypes an entry can be stored in, by the name its header records
+STORE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float8_e4m3fn": torch.float8_e4m3fn}
 FP8 = torch.float8_e4m3fn  # stored with a float32 scale per channel (layer, head, dim): x = code * scale
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
@@ -177,7 +179,7 @@ def encode_entry(fingerprint: str, entry: ChunkEntry) -> bytes:
     if keys.shape != values.shape:
         raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
     dtype = str(keys.dtype).removeprefix("torch.")
-    if dtype not in _DTYPES or values.dtype != keys.dtype:
+    if dtype not in STORE_DTYPES or values.dtype != keys.dtype:
         raise ValueError(f"unsupported cache dtypes {keys.dtype}, {values.dtype}")
     payload = _raw_bytes(keys) + _raw_bytes(values)
     if keys.dtype == FP8:
@@ -266,7 +268,7 @@ def _verified(raw: memoryview | bytes) -> tuple[dict, memoryview]:
 def _layout(header: dict, payload_bytes: int) -> tuple[torch.dtype, tuple[int, ...], tuple, tuple]:
     """dtype, shape [L, KV, T, D], token ids and offsets, each checked against the others and the
     payload's length before anything is allocated (a crafted shape must not allocate terabytes)."""
-    dtype = _DTYPES.get(header.get("dtype"))  # type: ignore[arg-type]
+    dtype = STORE_DTYPES.get(header.get("dtype"))  # type: ignore[arg-type]
     shape, ids, offsets = header.get("shape"), header.get("token_ids"), header.get("offsets")
     if dtype is None:
         raise CorruptEntryError(f"corrupted entry: unknown dtype {header.get('dtype')!r}")
