@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from .chunking import split_sections
 from .config import METHODS, EngineConfig, RequestOptions, is_redis_url
 from .engine import Engine
-from .store import LMDBStore, StoreError
+from .models import DTYPES
+from .store import STORE_DTYPES, LMDBStore, StoreError
 
 if TYPE_CHECKING:
     from llama_index.core.schema import Document, TextNode
@@ -81,28 +82,30 @@ def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SU
     is binary or is empty stops here, named, before any model loads; no file is skipped in silence."""
     from llama_index.core import SimpleDirectoryReader
 
+    settings = {"file_metadata": lambda name: {"file": name}, "filename_as_id": True, "encoding": "utf-8",
+                "errors": "strict", "raise_on_error": True}
     documents: list[Document] = []
     for path in map(Path, paths):
         if not path.exists():
             raise SystemExit(f"no such file or folder: {path}")
         if path.is_dir():
             try:
-                reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()))
+                reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()),
+                                               **settings)
             except ValueError:  # the reader's "No files found": nothing of ours in this folder
                 continue
         else:
-            reader = SimpleDirectoryReader(input_files=[str(path)])
-        reader.file_metadata, reader.filename_as_id = (lambda name: {"file": name}), True
-        reader.errors, reader.raise_on_error = "strict", True
+            reader = SimpleDirectoryReader(input_files=[str(path)], **settings)
         for file in sorted(reader.input_files):
             documents.extend(_checked(file, reader))
     return documents
 
 
 def _checked(file: Path, reader: Any) -> list[Document]:
+    """One file through the reader's own settings, its failure named."""
     try:
-        loaded = reader.load_file(file, reader.file_metadata, reader.file_extractor, filename_as_id=True,
-                                  encoding="utf-8", errors="strict", raise_on_error=True)
+        loaded = reader.load_file(file, reader.file_metadata, reader.file_extractor, reader.filename_as_id,
+                                  reader.encoding, reader.errors, reader.raise_on_error)
     except Exception as err:  # the reader wraps what it meets; the cause names the problem
         cause = err if isinstance(err, UnicodeDecodeError) else err.__cause__ or err
         if isinstance(cause, UnicodeDecodeError):
@@ -125,11 +128,12 @@ def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNod
     from llama_index.core.node_parser import MarkdownNodeParser, SentenceSplitter
     from llama_index.core.schema import TextNode
 
-    documents = _load_documents(paths)
-    markdown = [d for d in documents if d.metadata["file"].endswith(".md")]
-    nodes = MarkdownNodeParser(include_prev_next_rel=False)(markdown)
-    nodes += [TextNode(text=d.text, metadata=dict(d.metadata)) for d in documents
-              if not d.metadata["file"].endswith(".md")]
+    headings, nodes = MarkdownNodeParser(include_prev_next_rel=False), []
+    for doc in _load_documents(paths):
+        if doc.metadata["file"].endswith(".md"):
+            nodes += headings([doc])
+        else:
+            nodes.append(TextNode(text=doc.text, metadata=dict(doc.metadata)))
     if chunk_size is not None:
         from .integrations.embeddings import minilm_tokenizer
 
@@ -402,10 +406,10 @@ def parser() -> argparse.ArgumentParser:
                         help="embedded name, a local Hugging Face model folder, or a .gguf file")
         sp.add_argument("--aux", default=EngineConfig.aux, help="the selector model (same forms), or none")
         sp.add_argument("--device", default="cpu")
-        sp.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+        sp.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                         help="auto: bfloat16 on CUDA, float32 on CPU")
         sp.add_argument("--store-dtype", default="auto",
-                        choices=("auto", "float32", "bfloat16", "float16", "float8_e4m3fn"),
+                        choices=("auto", *STORE_DTYPES),
                         help="how chunk caches are stored: auto = the model's dtype on CUDA, float16 on CPU; "
                         "float8_e4m3fn = one byte an element with a scale per channel")
         sp.add_argument("--aux-device", default="cpu")
