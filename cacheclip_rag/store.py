@@ -83,8 +83,9 @@ class ChunkEntry:
 def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 e4m3 codes and float32 scales per channel (amax over the tokens / 448), t: [L, KV, T, D].
     Keys have outlier channels, so one scale per channel keeps the small ones from rounding to zero."""
-    scale = (t.detach().float().abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    x = t.detach().float()
+    scale = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 _FP16_MAX = 65504.0
