@@ -334,6 +334,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(runner.VARIANTS)}")
     out = Path(args.out)
+    merged = []  # other run folders' samples, read (and checked) before any model loads
+    for folder in args.merge or ():
+        done = runner.load_records(Path(folder)) if (Path(folder) / runner.RECORDS_FILE).is_file() else {}
+        if not done:
+            raise SystemExit(f"--merge {folder}: no finished samples there")
+        merged.append((folder, [r for rows in done.values() for r in rows]))
     if args.report_only:  # the report of what the run folder holds, no model loaded
         done = runner.load_records(out)
         records = [r for job in runner.jobs_of(profile, args.seed) if job in done for r in done[job]]
@@ -360,6 +366,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                    f"references (+8 tokens), ending once every reference is out",
         "samples done": f"{len({(r.task, r.length, r.seed) for r in records})} of {len(runner.jobs_of(profile, args.seed))}",
     }
+    if merged:
+        meta["merged"] = ", ".join(f"{folder} ({len(rows)} rows)" for folder, rows in merged) + \
+            ": same samples, their shared rows checked equal"
+        records = runner.merge_runs([(str(out), records), *merged])
     paths = report.write(out, records, alignment, maps, meta, profile.headline_ratio)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -446,7 +456,7 @@ def parser() -> argparse.ArgumentParser:
     query.set_defaults(func=cmd_query)
 
     evaluate = with_models(sub.add_parser("eval", help="RULER retrieval, fidelity and alignment evaluation"))
-    evaluate.add_argument("--profile", default="quick", choices=("quick", "power", "full"))
+    evaluate.add_argument("--profile", default="quick", choices=("quick", "power", "sweep", "full"))
     evaluate.add_argument("--tasks", default=None, help="comma-separated subset of the RULER tasks")
     evaluate.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens")
     evaluate.add_argument("--ratios", default=None, help="comma-separated recompute ratios")
@@ -457,6 +467,9 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit-minutes", type=float, default=None,
                           help="start no new sample after this long; rerun the same command to resume")
     evaluate.add_argument("--alignment-lengths", default=None, help="context lengths of the alignment study")
+    evaluate.add_argument("--merge", action="append", metavar="DIR",
+                          help="another run folder over the same samples (e.g. the power run for --profile sweep) "
+                               "whose records join the report; repeatable")
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--out", default="eval-results", help="run folder: records.jsonl is appended as samples "
                           "finish, and a rerun resumes it")

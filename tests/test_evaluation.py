@@ -215,6 +215,9 @@ def test_runner_resumes_and_drops_a_line_cut_short(make_engine, tmp_path):
     assert len(lines) == 1
     # a run killed while appending its second sample leaves a cut line behind
     (out / runner.RECORDS_FILE).write_text(lines[0] + lines[0][: len(lines[0]) // 2])
+    # a reader (a report of a folder a run may be appending to) leaves the partial line alone
+    assert list(runner.load_records(out)) == [("single1", 160, 0)]
+    assert (out / runner.RECORDS_FILE).read_text() == lines[0] + lines[0][: len(lines[0]) // 2]
     records = runner.run(engine, profile, progress=False, out_dir=out)
     assert sorted({(r.task, r.seed) for r in records}) == [("single1", 0), ("single1", 1), ("single2", 0), ("single2", 1)]
     stored = (out / runner.RECORDS_FILE).read_text().splitlines()
@@ -225,6 +228,34 @@ def test_runner_resumes_and_drops_a_line_cut_short(make_engine, tmp_path):
     assert again == records
     with pytest.raises(ValueError, match="other profile"):
         runner.run(engine, replace(profile, ratios=(0.3,)), progress=False, out_dir=out)
+
+
+def test_a_sweep_report_merges_another_run_over_the_same_samples_and_refuses_a_different_one(
+        make_engine, tmp_path):
+    from cacheclip_rag.cli import main
+
+    engine = make_engine(tiny_model("llama"))
+    base = replace(runner.PROFILES["quick"], lengths=(160,), tasks=("single1",), samples=2,
+                   variants=("full", "cacheclip"), max_new_tokens=4)
+    runner.run(engine, replace(base, ratios=(0.5,)), progress=False, out_dir=tmp_path / "power")
+    runner.run(engine, replace(base, ratios=(0.3,)), progress=False, out_dir=tmp_path / "sweep")
+    args = ["eval", "--profile", "quick", "--lengths", "160", "--tasks", "single1", "--samples", "2", "--ratios", "0.3",
+            "--variants", "full,cacheclip", "--out", str(tmp_path / "sweep"), "--report-only",
+            "--merge", str(tmp_path / "power"), "--primary", str(tmp_path / "no-such-model")]
+    assert main(args) == 0
+    quality = json.loads((tmp_path / "sweep" / "quality_160.json").read_text())
+    rows = {(m["method"], m["ratio"]): m["n"] for m in quality["methods"]}
+    assert rows == {("full", None): 2, ("cacheclip", 0.3): 2, ("cacheclip", 0.5): 2}  # full once, both ratios
+    assert "merged" in (tmp_path / "sweep" / "report.md").read_text()
+    # a run over other samples (here: full's answer changed) cannot be paired with this one
+    path = tmp_path / "power" / runner.RECORDS_FILE
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[1][0]["output"] += " and more"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=r"disagree on full of single1 at 160 tokens \(seed 1\) in output"):
+        main(args)
+    with pytest.raises(SystemExit, match="no finished samples there"):
+        main([str(tmp_path / "nothing") if a == str(tmp_path / "power") else a for a in args])
 
 
 def test_jobs_interleave_tasks_so_a_partial_run_is_balanced():

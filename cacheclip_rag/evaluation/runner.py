@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import statistics
 import time
@@ -109,7 +110,14 @@ PROFILES = {
         "power", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.2,),
         variants=MAIN_VARIANTS, alignment_lengths=(1024, 2048), alignment_samples=50,
     ),
-    # every method and ablation over the ratio sweep (resumable; many hours on 2 CPU cores)
+    # the power run's companion for the score-vs-ratio curves: the budget-taking methods at the other
+    # ratios of the sweep over the same samples (the ratio-free baselines and ratio 0.2 come from the
+    # power run: report both together with `--merge`); about 80 s a 2K sample on 2 CPU cores
+    "sweep": Profile(
+        "sweep", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.3, 0.5),
+        variants=("full", "cacheblend", "cacheclip"), alignment_lengths=(), alignment_samples=0,
+    ),
+    # every method and ablation over the ratio sweep (resumable; about 25 hours on 2 CPU cores)
     "full": Profile(
         "full", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.2, 0.3, 0.5),
         variants=tuple(VARIANTS), alignment_lengths=(1024, 2048), alignment_samples=50,
@@ -242,9 +250,10 @@ def _record_from(data: dict) -> Record:
     return Record(**{k: (tuple(v) if k == "references" else v) for k, v in data.items() if k in names})
 
 
-def load_records(out_dir: Path) -> dict[tuple[str, int, int], list[Record]]:
-    """Finished samples in `out_dir`, keyed (task, length, seed). A line cut short by a killed run is
-    dropped (its sample is run again) and cut from the file, so later lines stay parseable."""
+def load_records(out_dir: Path, repair: bool = False) -> dict[tuple[str, int, int], list[Record]]:
+    """Finished samples in `out_dir`, keyed (task, length, seed). A line cut short (by a killed run,
+    or one being written now) is dropped; `repair=True` (the run about to append) also cuts it from
+    the file, so later lines stay parseable. Readers of a folder a run may be writing leave it alone."""
     path = out_dir / RECORDS_FILE
     done: dict[tuple[str, int, int], list[Record]] = {}
     if not path.exists():
@@ -261,10 +270,41 @@ def load_records(out_dir: Path) -> dict[tuple[str, int, int], list[Record]]:
         if rows:
             done[(rows[0].task, rows[0].length, rows[0].seed)] = rows
         good += len(line)
-    if good < len(raw):
+    if repair and good < len(raw):
         with open(path, "r+b") as f:
             f.truncate(good)
     return done
+
+
+RecordKey = tuple[str, int, int, str, float | None]
+AGREE = ("output", "score", "prompt_tokens", "chunk_tokens", "gold_ll", "tf_kl")  # what a re-run must reproduce
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)  # thread counts reorder float sums
+    return a == b
+
+
+def merge_runs(runs: Sequence[tuple[str, Sequence[Record]]]) -> list[Record]:
+    """Records of several run folders (named) as one set, each (sample, variant, ratio) once. A row
+    that two runs both hold (the `full` reference every run decodes) must agree on its answer, score,
+    token counts and likelihoods, which shows the runs read the same samples with the same models and
+    code; otherwise pairing across them would be wrong, so this raises, naming the sample."""
+    merged: dict[RecordKey, tuple[str, Record]] = {}
+    for name, records in runs:
+        for r in records:
+            key = (r.task, r.length, r.seed, r.variant, r.ratio)
+            if key not in merged:
+                merged[key] = (name, r)
+                continue
+            first_name, first = merged[key]
+            differ = [f for f in AGREE if not _same(getattr(first, f), getattr(r, f))]
+            if differ:
+                raise ValueError(f"{first_name} and {name} disagree on {r.variant} of {r.task} at {r.length} tokens "
+                                 f"(seed {r.seed}) in {', '.join(differ)}: not the same samples, models or code, so "
+                                 "their methods cannot be paired")
+    return [r for _, r in merged.values()]
 
 
 def _run_identity(engine: Engine, profile: Profile, seed: int) -> dict:
@@ -307,7 +347,7 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
     done: dict[tuple[str, int, int], list[Record]] = {}
     if out_dir is not None:
         _check_run(out_dir, _run_identity(engine, profile, seed))
-        done = load_records(out_dir)
+        done = load_records(out_dir, repair=True)
     count = token_counter(engine)
     jobs = jobs_of(profile, seed)
     started = time.monotonic()
