@@ -22,7 +22,7 @@ from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
-from cacheclip_rag.evaluation.runner import ruler_prompt, token_counter
+from cacheclip_rag.evaluation.runner import ruler_engine, token_counter
 from cacheclip_rag.evaluation.stats import bootstrap_ci
 from cacheclip_rag.models import load_model
 from cacheclip_rag.store import LMDBStore
@@ -53,13 +53,13 @@ def main() -> None:
         base = dict(max_new_tokens=1, answer_prefix=sample.answer_prefix, prompt_stops=False, ratio=args.ratio)
         logits = {}
         for dtype, engine in engines.items():
-            with ruler_prompt(engine, sample):
-                engine.ingest(chunks, progress=False)
-                if dtype == "float32":
-                    logits["full"] = engine.generate(sample.question, chunks, RequestOptions(method="full", **base)).first_logits
-                for method in METHODS:
-                    logits[dtype, method] = engine.generate(sample.question, chunks,
-                                                            RequestOptions(method=method, **base)).first_logits
+            reader = ruler_engine(engine, sample)
+            reader.ingest(chunks, progress=False)
+            if dtype == "float32":
+                logits["full"] = reader.generate(sample.question, chunks, RequestOptions(method="full", **base)).first_logits
+            for method in METHODS:
+                logits[dtype, method] = reader.generate(sample.question, chunks,
+                                                        RequestOptions(method=method, **base)).first_logits
         for dtype in DTYPES:
             for method in METHODS:
                 kl_full[dtype, method].append(first_token_kl(logits["full"], logits[dtype, method]))

@@ -13,7 +13,7 @@ from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
-from cacheclip_rag.evaluation.runner import ruler_prompt, token_counter
+from cacheclip_rag.evaluation.runner import ruler_engine, token_counter
 from cacheclip_rag.models import load_model
 from cacheclip_rag.store import LMDBStore
 
@@ -35,14 +35,14 @@ def main() -> None:
     for task in ruler.TASKS:
         sample = ruler.generate(task, args.length, args.seed, count)
         chunks = ruler.sample_chunks(sample, count)
-        with ruler_prompt(engine, sample):
-            engine.ingest(chunks, progress=False)
-            base = dict(max_new_tokens=1, answer_prefix=sample.answer_prefix, prompt_stops=False)
-            full = engine.generate(sample.question, chunks, RequestOptions(method="full", **base))
-            for temperature, scale in grid:
-                ape = engine.generate(sample.question, chunks, RequestOptions(
-                    method="ape", ape_temperature=temperature, ape_scale=scale, **base))
-                kls[temperature, scale].append(first_token_kl(full.first_logits, ape.first_logits))
+        reader = ruler_engine(engine, sample)
+        reader.ingest(chunks, progress=False)
+        base = dict(max_new_tokens=1, answer_prefix=sample.answer_prefix, prompt_stops=False)
+        full = reader.generate(sample.question, chunks, RequestOptions(method="full", **base))
+        for temperature, scale in grid:
+            ape = reader.generate(sample.question, chunks, RequestOptions(
+                method="ape", ape_temperature=temperature, ape_scale=scale, **base))
+            kls[temperature, scale].append(first_token_kl(full.first_logits, ape.first_logits))
     print(f"APE on Gemma 3 270M, {len(ruler.TASKS)} held-out RULER samples at {args.length} tokens (seed {args.seed}): "
           "first-token KL(full || ape), mean and per sample")
     print("| temperature | scale | mean KL | per sample |")

@@ -359,3 +359,20 @@ def test_cli_report_only_writes_the_report_of_a_run_folder_without_models(make_e
     assert json.loads((tmp_path / "run" / "quality_160.json").read_text())["methods"][0]["n"] == 2
     with pytest.raises(SystemExit, match="no finished samples"):
         main([str(tmp_path / "empty") if a == str(tmp_path / "run") else a for a in args])
+
+
+def test_the_ruler_view_reads_in_rulers_layout_and_leaves_the_callers_engine_as_it_was(make_engine):
+    from cacheclip_rag.models import PromptFormat
+
+    engine = make_engine(tiny_model("llama"), aux=tiny_model("qwen2", seed=1))
+    prompt, config = engine.primary.prompt, engine.config
+    sample = ruler.generate("single1", 160, 0, runner.token_counter(engine))
+    view = runner.ruler_engine(engine, sample)
+    assert view.primary.prompt == PromptFormat.ruler() != prompt
+    assert view.config.system_prompt == sample.preamble != config.system_prompt
+    assert view.primary.model is engine.primary.model and view.store is engine.store and view.aux is engine.aux
+    lone = replace(engine, aux=engine.primary)  # the primary as its own aux reads in the same layout
+    assert runner.ruler_engine(lone, sample).aux.prompt == PromptFormat.ruler() != lone.aux.prompt
+    profile = replace(runner.PROFILES["quick"], variants=("full",), max_new_tokens=4)
+    runner.evaluate_sample(engine, sample, profile, runner.token_counter(engine))
+    assert engine.primary.prompt is prompt and engine.config is config  # the evaluation used a view too

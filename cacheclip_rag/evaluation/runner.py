@@ -16,14 +16,14 @@ A run is resumable: each finished sample's records are appended as one JSON line
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -170,16 +170,17 @@ def gold_answer(sample: ruler.Sample) -> str:
     return f" {listed}."
 
 
-@contextmanager
-def ruler_prompt(engine: Engine, sample: ruler.Sample) -> Iterator[None]:
-    """The primary reads RULER's raw layout with the sample's preamble as the shared prefix."""
-    saved_prompt, saved_config = engine.primary.prompt, engine.config
-    engine.primary.prompt = PromptFormat.ruler()
-    engine.config = replace(engine.config, system_prompt=sample.preamble or saved_config.system_prompt)
-    try:
-        yield
-    finally:
-        engine.primary.prompt, engine.config = saved_prompt, saved_config
+def ruler_engine(engine: Engine, sample: ruler.Sample) -> Engine:
+    """`engine` as RULER reads: the primary in RULER's raw layout with the sample's preamble as the
+    shared prefix. A view over the same weights, aux and store; `engine` itself is left as it is, so
+    other threads may go on using it."""
+    primary = copy.copy(engine.primary)
+    primary.prompt = PromptFormat.ruler()
+    view = copy.copy(engine)
+    view.primary = primary
+    view.aux = primary if engine.aux is engine.primary else engine.aux
+    view.config = replace(engine.config, system_prompt=sample.preamble or engine.config.system_prompt)
+    return view
 
 
 def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOptions, references, started: float):
@@ -196,48 +197,48 @@ def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOption
 def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, count: Callable[[str], int]) -> list[Record]:
     chunks = ruler.sample_chunks(sample, count)
     gold = engine.primary.encode(gold_answer(sample))
-    with ruler_prompt(engine, sample):
-        engine.ingest(chunks, progress=False, direct="direct" in profile.variants)
-        budget = max(profile.max_new_tokens, decode_budget(engine, sample), len(gold))
-        # RULER decodes to its budget: no prompt-format stop string ends an answer early
-        base = dict(max_new_tokens=budget, answer_prefix=sample.answer_prefix, prompt_stops=False)
+    engine = ruler_engine(engine, sample)  # a view in RULER's layout; the caller's engine is untouched
+    engine.ingest(chunks, progress=False, direct="direct" in profile.variants)
+    budget = max(profile.max_new_tokens, decode_budget(engine, sample), len(gold))
+    # RULER decodes to its budget: no prompt-format stop string ends an answer early
+    base = dict(max_new_tokens=budget, answer_prefix=sample.answer_prefix, prompt_stops=False)
 
-        def measure(variant: Variant, ratio: float | None):
-            ape = dict(ape_temperature=variant.ape[0], ape_scale=variant.ape[1]) if variant.ape else {}
-            options = RequestOptions(
-                method=variant.method, ratio=ratio if ratio is not None else 0.0, grouping=variant.grouping,
-                shared_prefix=variant.shared_prefix, exact_budget=variant.exact_budget, **ape, **base,
-            )
-            started = time.perf_counter()
-            plan, prefill = engine.prefill(sample.question, chunks, options)
-            text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, sample.references, started)
-            return plan, prefill, text, tokens, timings
+    def measure(variant: Variant, ratio: float | None):
+        ape = dict(ape_temperature=variant.ape[0], ape_scale=variant.ape[1]) if variant.ape else {}
+        options = RequestOptions(
+            method=variant.method, ratio=ratio if ratio is not None else 0.0, grouping=variant.grouping,
+            shared_prefix=variant.shared_prefix, exact_budget=variant.exact_budget, **ape, **base,
+        )
+        started = time.perf_counter()
+        plan, prefill = engine.prefill(sample.question, chunks, options)
+        text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, sample.references, started)
+        return plan, prefill, text, tokens, timings
 
-        plan, full_prefill, full_text, full_tokens, full_timings = measure(VARIANTS["full"], None)
-        full_rows = engine.teacher_forced_logits(plan, full_prefill, full_tokens)
-        full_gold = sequence_log_likelihood(engine.teacher_forced_logits(plan, full_prefill, gold), gold)
-        chunk_tokens = plan.question_start - plan.prefix_len
-        records = []
-        for name in ("full", *(v for v in profile.variants if v != "full")):
-            variant = VARIANTS[name]
-            for ratio in profile.ratios if variant.uses_ratio else (None,):
-                if name == "full":
-                    prefill, text, timings = full_prefill, full_text, full_timings
-                else:
-                    _, prefill, text, _, timings = measure(variant, ratio)
-                rows = engine.teacher_forced_logits(plan, prefill, full_tokens)
-                tf_kl, tf_top1 = teacher_forced_fidelity(full_rows, rows, full_tokens)
-                gold_ll = sequence_log_likelihood(engine.teacher_forced_logits(plan, prefill, gold), gold)
-                recomputed = 0 if name == "full" else int(prefill.recomputed_positions.numel())
-                records.append(Record(
-                    task=sample.task, length=sample.target_tokens, seed=sample.seed, variant=name, ratio=ratio,
-                    prompt_tokens=plan.length, chunk_tokens=chunk_tokens, chunks=len(chunks),
-                    score=ruler.score(text, sample.references), kl=first_token_kl(full_prefill.logits, prefill.logits),
-                    tf_kl=tf_kl, tf_top1=tf_top1, gold_ll=gold_ll, gold_ll_delta=gold_ll - full_gold,
-                    recomputed_share=1.0 if name == "full" else recomputed / max(1, chunk_tokens),
-                    load_s=timings.load_s, select_s=timings.select_s, recompute_s=timings.recompute_s,
-                    ttft_s=timings.ttft_s, output=text, references=sample.references,
-                ))
+    plan, full_prefill, full_text, full_tokens, full_timings = measure(VARIANTS["full"], None)
+    full_rows = engine.teacher_forced_logits(plan, full_prefill, full_tokens)
+    full_gold = sequence_log_likelihood(engine.teacher_forced_logits(plan, full_prefill, gold), gold)
+    chunk_tokens = plan.question_start - plan.prefix_len
+    records = []
+    for name in ("full", *(v for v in profile.variants if v != "full")):
+        variant = VARIANTS[name]
+        for ratio in profile.ratios if variant.uses_ratio else (None,):
+            if name == "full":
+                prefill, text, timings = full_prefill, full_text, full_timings
+            else:
+                _, prefill, text, _, timings = measure(variant, ratio)
+            rows = engine.teacher_forced_logits(plan, prefill, full_tokens)
+            tf_kl, tf_top1 = teacher_forced_fidelity(full_rows, rows, full_tokens)
+            gold_ll = sequence_log_likelihood(engine.teacher_forced_logits(plan, prefill, gold), gold)
+            recomputed = 0 if name == "full" else int(prefill.recomputed_positions.numel())
+            records.append(Record(
+                task=sample.task, length=sample.target_tokens, seed=sample.seed, variant=name, ratio=ratio,
+                prompt_tokens=plan.length, chunk_tokens=chunk_tokens, chunks=len(chunks),
+                score=ruler.score(text, sample.references), kl=first_token_kl(full_prefill.logits, prefill.logits),
+                tf_kl=tf_kl, tf_top1=tf_top1, gold_ll=gold_ll, gold_ll_delta=gold_ll - full_gold,
+                recomputed_share=1.0 if name == "full" else recomputed / max(1, chunk_tokens),
+                load_s=timings.load_s, select_s=timings.select_s, recompute_s=timings.recompute_s,
+                ttft_s=timings.ttft_s, output=text, references=sample.references,
+            ))
     return records
 
 
