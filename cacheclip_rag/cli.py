@@ -456,7 +456,7 @@ def parser() -> argparse.ArgumentParser:
     query.set_defaults(func=cmd_query)
 
     evaluate = with_models(sub.add_parser("eval", help="RULER retrieval, fidelity and alignment evaluation"))
-    evaluate.add_argument("--profile", default="quick", choices=("quick", "power", "sweep", "full"))
+    evaluate.add_argument("--profile", default="quick", choices=("quick", "power", "sweep", "ablations", "full"))
     evaluate.add_argument("--tasks", default=None, help="comma-separated subset of the RULER tasks")
     evaluate.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens")
     evaluate.add_argument("--ratios", default=None, help="comma-separated recompute ratios")

@@ -258,6 +258,19 @@ def test_a_sweep_report_merges_another_run_over_the_same_samples_and_refuses_a_d
         main([str(tmp_path / "nothing") if a == str(tmp_path / "power") else a for a in args])
 
 
+def test_the_power_and_sweep_runs_together_cover_the_full_profiles_main_methods_on_the_same_samples():
+    profiles = runner.PROFILES
+
+    def cells(profile):
+        return {(v, r) for v in profile.variants for r in (profile.ratios if runner.VARIANTS[v].uses_ratio else (None,))}
+
+    parts = ("power", "sweep", "ablations")
+    wanted = {(v, r) for v, r in cells(profiles["full"]) if v in runner.MAIN_VARIANTS}
+    assert wanted <= cells(profiles["power"]) | cells(profiles["sweep"])
+    assert {v for p in parts for v in profiles[p].variants} == set(profiles["full"].variants)
+    assert all(runner.jobs_of(profiles[p]) == runner.jobs_of(profiles["full"]) for p in parts)  # same samples
+
+
 def test_jobs_interleave_tasks_so_a_partial_run_is_balanced():
     profile = replace(runner.PROFILES["power"], tasks=("single1", "single2"), lengths=(1024, 2048), samples=(25, 13))
     jobs = runner.jobs_of(profile)

@@ -112,12 +112,20 @@ PROFILES = {
     ),
     # the power run's companion for the score-vs-ratio curves: the budget-taking methods at the other
     # ratios of the sweep over the same samples (the ratio-free baselines and ratio 0.2 come from the
-    # power run: report both together with `--merge`); about 80 s a 2K sample on 2 CPU cores
+    # power run: report both together with `--merge`); about 2 minutes a 2K sample on 2 CPU cores
     "sweep": Profile(
         "sweep", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.3, 0.5),
         variants=("full", "cacheblend", "cacheclip"), alignment_lengths=(), alignment_samples=0,
     ),
-    # every method and ablation over the ratio sweep (resumable; about 25 hours on 2 CPU cores)
+    # CacheClip's ablations and the other baselines at the headline budget, over the same samples
+    # (with `--merge` of the power run: each ablation paired against cacheclip @ 0.2)
+    "ablations": Profile(
+        "ablations", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.2,),
+        variants=("full", "direct", "oracle", "cacheclip_nogroup", "cacheclip_noprefix", "cacheclip_nominal"),
+        alignment_lengths=(), alignment_samples=0,
+    ),
+    # every method and ablation at every ratio in one folder (resumable; about 25 hours on 2 CPU cores;
+    # power + sweep + ablations cover its main methods at every ratio and the ablations at 0.2)
     "full": Profile(
         "full", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.2, 0.3, 0.5),
         variants=tuple(VARIANTS), alignment_lengths=(1024, 2048), alignment_samples=50,
