@@ -138,7 +138,9 @@ def plot_metric_vs_ratio(records: Sequence[Record], metric: str, ylabel: str, pa
                 xs = [r["ratio"] + dodge for r in own]
                 ys = [r[metric]["mean"] for r in own]
                 err = [[r[metric]["mean"] - r[metric]["low"] for r in own], [r[metric]["high"] - r[metric]["mean"] for r in own]]
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=next(curves), label=f"{variant} (n={own[0]['n']})")
+                ns = sorted({r["n"] for r in own})
+                n = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]}–{ns[-1]}"  # runs merged at some ratios
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=next(curves), label=f"{variant} (n={n})")
         ax.set_xlim(0.0, max(0.55, max((r["ratio"] or 0.0) for r in mine) + 0.05))
         ax.set_xlabel("recompute ratio (share of chunk tokens)")
         ax.set_ylabel(ylabel)
