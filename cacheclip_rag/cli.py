@@ -336,7 +336,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out = Path(args.out)
     merged = []  # other run folders' samples, read (and checked) before any model loads
     for folder in args.merge or ():
-        done = runner.load_records(Path(folder)) if (Path(folder) / runner.RECORDS_FILE).is_file() else {}
+        done = runner.load_records(Path(folder))
         if not done:
             raise SystemExit(f"--merge {folder}: no finished samples there")
         merged.append((folder, [r for rows in done.values() for r in rows]))
