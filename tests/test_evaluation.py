@@ -258,6 +258,39 @@ def test_a_sweep_report_merges_another_run_over_the_same_samples_and_refuses_a_d
         main([str(tmp_path / "nothing") if a == str(tmp_path / "power") else a for a in args])
 
 
+def test_cross_budget_pairs_cacheclip_with_cacheblend_only_at_larger_ratios_on_shared_samples(tmp_path):
+    """cacheclip at ratio r − cacheblend at every ratio above r, paired by sample; the report and
+    quality JSON carry it. Constructed so the answer is known: cacheclip@0.3's KL is 0.02 below
+    cacheblend@0.5's on every sample (the interval collapses to −0.02, all losses); cacheblend@0.1 is
+    a smaller budget, so it is not compared, unless the roles are swapped."""
+
+    def record(seed: int, variant: str, ratio: float | None, tf_kl: float, score: float = 1.0) -> runner.Record:
+        return runner.Record(task="single1", length=160, seed=seed, variant=variant, ratio=ratio, prompt_tokens=10,
+                             chunk_tokens=8, chunks=2, score=score, kl=0.0, tf_kl=tf_kl, tf_top1=1.0, gold_ll=-1.0,
+                             gold_ll_delta=0.0, recomputed_share=ratio or 1.0, load_s=0.0, select_s=0.0,
+                             recompute_s=1.0, ttft_s=1.0, output="x", references=("x",))
+
+    seeds = range(6)
+    records = [record(s, "full", None, 0.0) for s in seeds]
+    records += [record(s, "cacheclip", 0.3, 0.05 + 0.01 * s) for s in seeds]
+    records += [record(s, "cacheblend", 0.5, 0.07 + 0.01 * s) for s in seeds]
+    records += [record(s, "cacheblend", 0.1, 0.04) for s in seeds]
+    records += [record(s, "cacheblend", 0.3, 0.0) for s in seeds[:1]]  # one shared sample: too few to pair
+    records += [record(7, "cacheclip", 0.3, 0.0)]  # a sample cacheblend lacks: left out of the pairing
+    rows = runner.cross_budget_differences(records)
+    assert {(d["ratio"], d["other_ratio"], d["metric"]) for d in rows} == {(0.3, 0.5, "tf_kl"), (0.3, 0.5, "score")}
+    kl = next(d for d in rows if d["metric"] == "tf_kl")
+    assert (kl["n"], kl["wins"], kl["losses"]) == (6, 0, 6) and kl["excludes_zero"]
+    assert [kl["mean"], kl["low"], kl["high"]] == pytest.approx([-0.02] * 3)
+    score = next(d for d in rows if d["metric"] == "score")
+    assert (score["mean"], score["wins"], score["losses"], score["excludes_zero"]) == (0.0, 0, 0, False)
+    smaller = runner.cross_budget_differences(records, method="cacheblend", other="cacheclip")
+    assert {(d["ratio"], d["other_ratio"]) for d in smaller} == {(0.1, 0.3)}
+    assert next(d for d in smaller if d["metric"] == "tf_kl")["wins"] == 0  # 0.04 < 0.05 + 0.01 i everywhere
+    assert report.quality(records, 160)["cross_budget"] == rows
+    assert "| 160 | 0.3 | 0.5 | tf_kl | 6 | -0.020 [-0.020, -0.020] | 0/6 |" in report.markdown(records, [], 0.3)
+
+
 def test_the_power_and_sweep_runs_together_cover_the_full_profiles_main_methods_on_the_same_samples():
     profiles = runner.PROFILES
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .runner import AlignmentRow, Record, paired_differences, records_as_dicts, summary
+from .runner import AlignmentRow, Record, cross_budget_differences, paired_differences, records_as_dicts, summary
 from .stats import bootstrap_ci
 
 ORDER = ["full", "direct", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup",
@@ -69,6 +69,16 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
                 "|---|---|---|---|---|---|---|---|---|"]
         for d in paired:
             out.append(f"| {d['length']} | {d['ratio']:g} | {d['other']} | {d['metric']} | {d['n']} "
+                       f"| {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
+                       f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
+    cross = cross_budget_differences(records)
+    if cross:
+        out += ["", "### Less recompute: cacheclip at a ratio − cacheblend at a larger one (same samples; paired "
+                "bootstrap 95% interval; sign test)", "",
+                "| length | cacheclip ratio | cacheblend ratio | metric | n | mean difference [95% CI] "
+                "| cacheclip higher / lower | p | |", "|---|---|---|---|---|---|---|---|---|"]
+        for d in cross:
+            out.append(f"| {d['length']} | {d['ratio']:g} | {d['other_ratio']:g} | {d['metric']} | {d['n']} "
                        f"| {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
                        f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
     out += ["", f"### Efficiency breakdown at ratio {headline_ratio:g} (mean seconds; cacheclip overlaps select with load)", "",
@@ -156,18 +166,22 @@ def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
 
 
 def plot_paired(records: Sequence[Record], path: Path) -> None:
-    """Forest plot: cacheclip − other on teacher-forced KL and on score, with paired 95% intervals."""
+    """Forest plot: cacheclip − other on teacher-forced KL and on score, with paired 95% intervals; at
+    equal ratios (blue), then against cacheblend at larger ratios (orange)."""
     plt = _pyplot()
-    diffs = paired_differences(records)
+    diffs = paired_differences(records) + cross_budget_differences(records)
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * max(4, len(diffs) // 5) + 1.5))
     for ax, metric, title in ((axes[0], "tf_kl", "KL(full‖m) over full's answer (lower = closer)"),
                               (axes[1], "score", "RULER score (higher = better)")):
         mine = [d for d in diffs if d["metric"] == metric]
-        labels = [f"{d['length']} @ {d['ratio']:g} vs {d['other']} (n={d['n']})" for d in mine]
+        labels = [f"{d['length']} @ {d['ratio']:g} vs {d['other']}"
+                  + (f" @ {d['other_ratio']:g}" if "other_ratio" in d else "") + f" (n={d['n']})" for d in mine]
         ys = list(range(len(mine)))
-        ax.errorbar([d["mean"] for d in mine], ys,
-                    xerr=[[d["mean"] - d["low"] for d in mine], [d["high"] - d["mean"] for d in mine]],
-                    fmt="o", capsize=3, color="C0")
+        for across, color in ((False, "C0"), (True, "C1")):
+            group = [(y, d) for y, d in zip(ys, mine) if ("other_ratio" in d) == across]
+            ax.errorbar([d["mean"] for _, d in group], [y for y, _ in group],
+                        xerr=[[d["mean"] - d["low"] for _, d in group], [d["high"] - d["mean"] for _, d in group]],
+                        fmt="o", capsize=3, color=color)
         ax.axvline(0.0, color="black", linewidth=0.8)
         ax.set_yticks(ys, labels, fontsize=7)
         ax.invert_yaxis()
@@ -215,11 +229,13 @@ def plot_alignment(maps: dict, path: Path) -> None:
 
 def quality(records: Sequence[Record], length: int) -> dict:
     """Per method and ratio at one context length: n, score with its interval, teacher-forced KL with
-    its interval, achieved recompute share; and the paired differences (for scripts that check claims)."""
+    its interval, achieved recompute share; the paired differences at equal ratios, and cacheclip against
+    cacheblend at larger ratios (for scripts that check claims)."""
     rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["length"] == length]
     full = next((r for r in rows if r["variant"] == "full"), None)
     base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
-    out = {"length": length, "methods": [], "paired": [d for d in paired_differences(records) if d["length"] == length]}
+    out = {"length": length, "methods": [], "paired": [d for d in paired_differences(records) if d["length"] == length],
+           "cross_budget": [d for d in cross_budget_differences(records) if d["length"] == length]}
     for r in rows:
         mine = [x for x in records if x.length == length and x.variant == r["variant"] and x.ratio == r["ratio"]]
         entry = {"method": r["variant"], "ratio": r["ratio"], "n": r["n"], "score": r["score"], "solved": r["solved"],

@@ -465,14 +465,39 @@ def summary(records: Sequence[Record]) -> dict:
 PAIRED_METRICS = ("score", "tf_kl", "tf_top1", "kl", "gold_ll_delta")
 
 
+def _by_cell(records: Sequence[Record]) -> dict[tuple[str, float | None], dict[tuple[str, int, int], Record]]:
+    by: dict[tuple[str, float | None], dict[tuple[str, int, int], Record]] = {}
+    for r in records:
+        by.setdefault((r.variant, r.ratio), {})[(r.task, r.length, r.seed)] = r
+    return by
+
+
+def _paired_rows(mine: dict[tuple[str, int, int], Record], theirs: dict[tuple[str, int, int], Record],
+                 metrics: Sequence[str], **labels: object) -> list[dict]:
+    """Per length: mean of mine − theirs over the samples both hold, with a paired bootstrap 95%
+    interval, and the sign test (wins = mine higher, ties dropped)."""
+    out = []
+    for length in sorted({k[1] for k in mine}):
+        keys = sorted(k for k in mine if k in theirs and k[1] == length)
+        if len(keys) < 2:
+            continue
+        for metric in metrics:
+            a = [getattr(mine[k], metric) for k in keys]
+            b = [getattr(theirs[k], metric) for k in keys]
+            d = paired_bootstrap_ci(a, b)
+            wins, losses, p = sign_test(a, b)
+            out.append({"length": length, **labels, "metric": metric, "mean": d.mean, "low": d.low,
+                        "high": d.high, "n": d.n, "wins": wins, "losses": losses, "p": p,
+                        "excludes_zero": d.excludes_zero()})
+    return out
+
+
 def paired_differences(records: Sequence[Record], method: str = "cacheclip",
                        against: Sequence[str] | None = None) -> list[dict]:
     """`method` minus each other variant on the same samples, at the same ratio where both take one
     (ratio-free baselines are compared at every ratio of `method`): mean difference with a paired
     bootstrap 95% interval, and the sign test (wins = method higher, ties dropped)."""
-    by: dict[tuple[str, float | None], dict[tuple[str, int, int], Record]] = {}
-    for r in records:
-        by.setdefault((r.variant, r.ratio), {})[(r.task, r.length, r.seed)] = r
+    by = _by_cell(records)
     variants = dict.fromkeys(r.variant for r in records)
     against = [v for v in (against or variants) if v not in (method, "full") and v in variants]
     out = []
@@ -481,18 +506,26 @@ def paired_differences(records: Sequence[Record], method: str = "cacheclip",
             continue
         for other in against:
             theirs = by.get((other, ratio if VARIANTS[other].uses_ratio else None), {})
-            for length in sorted({k[1] for k in mine}):
-                keys = sorted(k for k in mine if k in theirs and k[1] == length)
-                if len(keys) < 2:
-                    continue
-                for metric in PAIRED_METRICS:
-                    a = [getattr(mine[k], metric) for k in keys]
-                    b = [getattr(theirs[k], metric) for k in keys]
-                    d = paired_bootstrap_ci(a, b)
-                    wins, losses, p = sign_test(a, b)
-                    out.append({"length": length, "ratio": ratio, "method": method, "other": other,
-                                "metric": metric, "mean": d.mean, "low": d.low, "high": d.high, "n": d.n,
-                                "wins": wins, "losses": losses, "p": p, "excludes_zero": d.excludes_zero()})
+            out += _paired_rows(mine, theirs, PAIRED_METRICS, ratio=ratio, method=method, other=other)
+    return out
+
+
+CROSS_BUDGET_METRICS = ("tf_kl", "score")
+
+
+def cross_budget_differences(records: Sequence[Record], method: str = "cacheclip",
+                             other: str = "cacheblend") -> list[dict]:
+    """`method` at each ratio minus `other` at every larger ratio, on the same samples: whether the
+    method matches the other's fidelity with less recompute (the paper's Figure 6 read across
+    budgets). Same statistics as `paired_differences`."""
+    by = _by_cell(records)
+    mine_ratios = sorted(r for v, r in by if v == method and r is not None)
+    their_ratios = sorted(r for v, r in by if v == other and r is not None)
+    out = []
+    for ratio in mine_ratios:
+        for other_ratio in (r for r in their_ratios if r > ratio):
+            out += _paired_rows(by[(method, ratio)], by[(other, other_ratio)], CROSS_BUDGET_METRICS, ratio=ratio,
+                                method=method, other=other, other_ratio=other_ratio)
     return out
 
 
