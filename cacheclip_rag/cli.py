@@ -333,6 +333,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     unknown = [v for v in profile.variants if v not in runner.VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {', '.join(runner.VARIANTS)}")
+    if args.limit_minutes is not None and not args.limit_minutes >= 0:
+        raise SystemExit(f"--limit-minutes must be >= 0 (0 runs one sample), got {args.limit_minutes}")
     out = Path(args.out)
     merged = []  # other run folders' samples, read (and checked) before any model loads
     for folder in args.merge or ():
@@ -348,7 +350,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         engine = None
     else:
         engine = Engine.from_config(config)
-        limit = args.limit_minutes * 60 if args.limit_minutes else None
+        limit = None if args.limit_minutes is None else args.limit_minutes * 60  # 0: one sample, not no limit
         records = runner.run(engine, profile, seed=args.seed, out_dir=out, limit_s=limit)
     if not records:
         print(f"no sample finished within the time limit; rerun the same command to resume {out}")
@@ -465,7 +467,8 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--alignment-samples", type=int, default=None, help="prose samples per alignment length")
     evaluate.add_argument("--report-only", action="store_true", help="write the report of the samples --out holds")
     evaluate.add_argument("--limit-minutes", type=float, default=None,
-                          help="start no new sample after this long; rerun the same command to resume")
+                          help="start no new sample after this long (0: run one sample); rerun the same "
+                               "command to resume")
     evaluate.add_argument("--alignment-lengths", default=None, help="context lengths of the alignment study")
     evaluate.add_argument("--merge", action="append", metavar="DIR",
                           help="another run folder over the same samples (e.g. the power run for --profile sweep) "

@@ -407,6 +407,23 @@ def test_cli_report_only_writes_the_report_of_a_run_folder_without_models(make_e
         main([str(tmp_path / "empty") if a == str(tmp_path / "run") else a for a in args])
 
 
+def test_cli_limit_of_zero_minutes_runs_one_sample_and_a_negative_one_is_refused(make_engine, tmp_path, monkeypatch):
+    """`--limit-minutes 0` used to read as no limit (0 is falsy) and ran the whole profile."""
+    from cacheclip_rag.cli import Engine, main
+
+    args = ["eval", "--profile", "quick", "--lengths", "160", "--tasks", "single1", "--samples", "3", "--ratios", "0.5",
+            "--variants", "full,cacheclip", "--alignment-samples", "0", "--out", str(tmp_path / "run"),
+            "--store", str(tmp_path / "kv"), "--primary", str(tmp_path / "no-such-model")]
+    with pytest.raises(SystemExit, match="--limit-minutes must be >= 0"):
+        main([*args, "--limit-minutes", "-1"])  # before any model loads (that one does not exist)
+    engine = make_engine(tiny_model("llama"))
+    monkeypatch.setattr(Engine, "from_config", classmethod(lambda cls, config: engine))
+    assert main([*args, "--limit-minutes", "0"]) == 0
+    assert len(runner.load_records(tmp_path / "run")) == 1
+    assert main([*args, "--limit-minutes", "0"]) == 0
+    assert len(runner.load_records(tmp_path / "run")) == 2  # the rerun resumes, one more
+
+
 def test_the_ruler_view_reads_in_rulers_layout_and_leaves_the_callers_engine_as_it_was(make_engine):
     from cacheclip_rag.models import PromptFormat
 
