@@ -35,7 +35,15 @@ def _sorted_rows(rows: list[dict]) -> list[dict]:
                                        r["ratio"] or 0.0))
 
 
-def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headline_ratio: float) -> str:
+def differences(records: Sequence[Record]) -> dict[str, list[dict]]:
+    """The paired differences at equal ratios and across budgets, computed once (10,000 bootstrap
+    resamples each) for the report, the JSON files and the plot."""
+    return {"paired": paired_differences(records), "cross_budget": cross_budget_differences(records)}
+
+
+def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headline_ratio: float,
+             diffs: dict[str, list[dict]] | None = None) -> str:
+    diffs = diffs or differences(records)
     rows = _sorted_rows(summary(records)["rows"])
     tasks = sorted({r.task for r in records}, key=lambda t: ("single" not in t, t))
     out = []
@@ -46,7 +54,7 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
                 "top-1 agreement | first-token KL | Δ log p(gold) vs full, nats | recomputed share | TTFT s | speedup |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         methods = {m["method"] if m["ratio"] is None else (m["method"], m["ratio"]): m
-                   for m in quality(records, length)["methods"]}
+                   for m in quality(records, length, diffs)["methods"]}
         for r in mine:
             q = methods.get(r["variant"] if r["ratio"] is None else (r["variant"], r["ratio"]), {})
             retention = _ci(q["retention"], ".2f") if "retention" in q else "–"
@@ -60,7 +68,7 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
             if r["ratio"] in (None, headline_ratio):
                 out.append(f"| {_label(r)} | " + " | ".join(_num(r["per_task"].get(t), ".2f") for t in tasks) + " |")
         out.append("")
-    paired = paired_differences(records)
+    paired = diffs["paired"]
     if paired:
         out += ["### Paired differences, cacheclip − other (same samples; bootstrap 95% interval; sign test)", "",
                 "Lower is better for the KLs; higher for score, top-1 agreement and Δ log p(gold). ✓: the interval "
@@ -71,7 +79,7 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
             out.append(f"| {d['length']} | {d['ratio']:g} | {d['other']} | {d['metric']} | {d['n']} "
                        f"| {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
                        f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
-    cross = cross_budget_differences(records)
+    cross = diffs["cross_budget"]
     if cross:
         out += ["", "### Less recompute: cacheclip at a ratio − cacheblend at a larger one (same samples; paired "
                 "bootstrap 95% interval; sign test)", "",
@@ -165,15 +173,15 @@ def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
     plot_metric_vs_ratio(records, "score", "RULER score (mean over samples)", path)
 
 
-def plot_paired(records: Sequence[Record], path: Path) -> None:
+def plot_paired(diffs: dict[str, list[dict]], path: Path) -> None:
     """Forest plot: cacheclip − other on teacher-forced KL and on score, with paired 95% intervals; at
     equal ratios (blue), then against cacheblend at larger ratios (orange)."""
     plt = _pyplot()
-    diffs = paired_differences(records) + cross_budget_differences(records)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * max(4, len(diffs) // 5) + 1.5))
+    rows = diffs["paired"] + diffs["cross_budget"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * max(4, len(rows) // 5) + 1.5))
     for ax, metric, title in ((axes[0], "tf_kl", "KL(full‖m) over full's answer (lower = closer)"),
                               (axes[1], "score", "RULER score (higher = better)")):
-        mine = [d for d in diffs if d["metric"] == metric]
+        mine = [d for d in rows if d["metric"] == metric]
         labels = [f"{d['length']} @ {d['ratio']:g} vs {d['other']}"
                   + (f" @ {d['other_ratio']:g}" if "other_ratio" in d else "") + f" (n={d['n']})" for d in mine]
         ys = list(range(len(mine)))
@@ -227,15 +235,16 @@ def plot_alignment(maps: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def quality(records: Sequence[Record], length: int) -> dict:
+def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]] | None = None) -> dict:
     """Per method and ratio at one context length: n, score with its interval, teacher-forced KL with
     its interval, achieved recompute share; the paired differences at equal ratios, and cacheclip against
     cacheblend at larger ratios (for scripts that check claims)."""
     rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["length"] == length]
     full = next((r for r in rows if r["variant"] == "full"), None)
     base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
-    out = {"length": length, "methods": [], "paired": [d for d in paired_differences(records) if d["length"] == length],
-           "cross_budget": [d for d in cross_budget_differences(records) if d["length"] == length]}
+    diffs = diffs or differences(records)
+    out = {"length": length, "methods": [],
+           **{k: [d for d in found if d["length"] == length] for k, found in diffs.items()}}
     for r in rows:
         mine = [x for x in records if x.length == length and x.variant == r["variant"] and x.ratio == r["ratio"]]
         entry = {"method": r["variant"], "ratio": r["ratio"], "n": r["n"], "score": r["score"], "solved": r["solved"],
@@ -273,20 +282,20 @@ def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[Alignmen
         "score_vs_ratio": out_dir / "score_vs_ratio.png", "fidelity_vs_ratio": out_dir / "fidelity_vs_ratio.png",
         "paired": out_dir / "paired.png", "tasks": out_dir / "tasks.png",
     }
-    paired = paired_differences(records)
-    body = {"meta": meta, "summary": summary(records), "paired": paired,
+    diffs = differences(records)
+    body = {"meta": meta, "summary": summary(records), "paired": diffs["paired"],
             "records": records_as_dicts(records), "alignment": [asdict(a) for a in alignment]}
     paths["json"].write_text(json.dumps(body, indent=1))
     for length in sorted({r.length for r in records}):
         paths[f"quality_{length}"] = out_dir / f"quality_{length // 1024}k.json" if length % 1024 == 0 else \
             out_dir / f"quality_{length}.json"
-        paths[f"quality_{length}"].write_text(json.dumps(quality(records, length), indent=1))
+        paths[f"quality_{length}"].write_text(json.dumps(quality(records, length, diffs), indent=1))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
-    paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio))
+    paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio, diffs))
     plot_score_vs_ratio(records, paths["score_vs_ratio"])
     plot_metric_vs_ratio(records, "tf_kl", "KL(full‖method) over full's answer, nats", paths["fidelity_vs_ratio"])
-    if paired:
-        plot_paired(records, paths["paired"])
+    if diffs["paired"]:
+        plot_paired(diffs, paths["paired"])
     else:
         del paths["paired"]
     plot_tasks(records, headline_ratio, paths["tasks"])
