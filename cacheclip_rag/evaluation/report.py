@@ -30,6 +30,12 @@ def _ci(e: dict, fmt: str = ".3f") -> str:
     return f"{e['mean']:{fmt}} [{e['low']:{fmt}}, {e['high']:{fmt}}]"
 
 
+def _difference_cells(d: dict) -> str:
+    """The metric, n, interval, sign-test counts, p and mark of one paired-difference row."""
+    return (f"{d['metric']} | {d['n']} | {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
+            f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
+
+
 def _sorted_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r.get("length", 0), ORDER.index(r["variant"]) if r["variant"] in ORDER else 99,
                                        r["ratio"] or 0.0))
@@ -75,20 +81,14 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
                 "excludes zero.", "",
                 "| length | ratio | other | metric | n | mean difference [95% CI] | cacheclip higher / lower | p | |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for d in paired:
-            out.append(f"| {d['length']} | {d['ratio']:g} | {d['other']} | {d['metric']} | {d['n']} "
-                       f"| {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
-                       f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
+        out += [f"| {d['length']} | {d['ratio']:g} | {d['other']} | {_difference_cells(d)}" for d in paired]
     cross = diffs["cross_budget"]
     if cross:
         out += ["", "### Less recompute: cacheclip at a ratio − cacheblend at a larger one (same samples; paired "
                 "bootstrap 95% interval; sign test)", "",
                 "| length | cacheclip ratio | cacheblend ratio | metric | n | mean difference [95% CI] "
                 "| cacheclip higher / lower | p | |", "|---|---|---|---|---|---|---|---|---|"]
-        for d in cross:
-            out.append(f"| {d['length']} | {d['ratio']:g} | {d['other_ratio']:g} | {d['metric']} | {d['n']} "
-                       f"| {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | {d['wins']}/{d['losses']} "
-                       f"| {d['p']:.3g} | {'✓' if d['excludes_zero'] else ''} |")
+        out += [f"| {d['length']} | {d['ratio']:g} | {d['other_ratio']:g} | {_difference_cells(d)}" for d in cross]
     out += ["", f"### Efficiency breakdown at ratio {headline_ratio:g} (mean seconds; cacheclip overlaps select with load)", "",
             "| length | variant | select | load | recompute | other | TTFT | speedup vs full |",
             "|---|---|---|---|---|---|---|---|"]
