@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -42,16 +42,34 @@ def _sorted_rows(rows: list[dict]) -> list[dict]:
 
 
 def differences(records: Sequence[Record]) -> dict[str, list[dict]]:
-    """The paired differences at equal ratios and across budgets, computed once (10,000 bootstrap
-    resamples each) for the report, the JSON files and the plot."""
+    """The paired differences at equal ratios and across budgets (10,000 bootstrap resamples each)."""
     return {"paired": paired_differences(records), "cross_budget": cross_budget_differences(records)}
 
 
+@dataclass(frozen=True)
+class Estimates:
+    """What the report derives from the records by resampling, computed once and shared by the
+    JSON files, the markdown and the plots."""
+
+    summary: dict  # runner.summary's body
+    rows: list[dict]  # its rows in report order
+    diffs: dict[str, list[dict]]
+    quality: dict[int, dict]  # per context length
+    tasks: list[str]
+
+
+def estimate(records: Sequence[Record]) -> Estimates:
+    body = summary(records)
+    rows = _sorted_rows(body["rows"])
+    diffs = differences(records)
+    per_length = {length: quality(records, length, diffs, rows) for length in sorted({r.length for r in records})}
+    return Estimates(body, rows, diffs, per_length, sorted({r.task for r in records}, key=lambda t: ("single" not in t, t)))
+
+
 def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headline_ratio: float,
-             diffs: dict[str, list[dict]] | None = None) -> str:
-    diffs = diffs or differences(records)
-    rows = _sorted_rows(summary(records)["rows"])
-    tasks = sorted({r.task for r in records}, key=lambda t: ("single" not in t, t))
+             est: Estimates | None = None) -> str:
+    est = est or estimate(records)
+    rows, diffs, tasks = est.rows, est.diffs, est.tasks
     out = []
     for length in sorted({r["length"] for r in rows}):
         mine = [r for r in rows if r["length"] == length]
@@ -60,7 +78,7 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
                 "top-1 agreement | first-token KL | Δ log p(gold) vs full, nats | recomputed share | TTFT s | speedup |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         methods = {m["method"] if m["ratio"] is None else (m["method"], m["ratio"]): m
-                   for m in quality(records, length, diffs)["methods"]}
+                   for m in est.quality[length]["methods"]}
         for r in mine:
             q = methods.get(r["variant"] if r["ratio"] is None else (r["variant"], r["ratio"]), {})
             retention = _ci(q["retention"], ".2f") if "retention" in q else "–"
@@ -131,11 +149,10 @@ def _pyplot():
     return plt
 
 
-def plot_metric_vs_ratio(records: Sequence[Record], metric: str, ylabel: str, path: Path) -> None:
-    """One panel per context length: ratio-taking methods as curves with 95% error bars, ratio-free
-    methods as horizontal lines with their interval shaded."""
+def plot_metric_vs_ratio(rows: list[dict], metric: str, ylabel: str, path: Path) -> None:
+    """One panel per context length of the summary `rows`: ratio-taking methods as curves with 95% error
+    bars, ratio-free methods as horizontal lines with their interval shaded."""
     plt = _pyplot()
-    rows = _sorted_rows(summary(records)["rows"])
     lengths = sorted({r["length"] for r in rows})
     fig, axes = plt.subplots(1, len(lengths), figsize=(6.5 * len(lengths), 4.2), squeeze=False)
     for ax, length in zip(axes[0], lengths):
@@ -169,8 +186,8 @@ def plot_metric_vs_ratio(records: Sequence[Record], metric: str, ylabel: str, pa
     plt.close(fig)
 
 
-def plot_score_vs_ratio(records: Sequence[Record], path: Path) -> None:
-    plot_metric_vs_ratio(records, "score", "RULER score (mean over samples)", path)
+def plot_score_vs_ratio(rows: list[dict], path: Path) -> None:
+    plot_metric_vs_ratio(rows, "score", "RULER score (mean over samples)", path)
 
 
 def plot_paired(diffs: dict[str, list[dict]], path: Path) -> None:
@@ -199,12 +216,11 @@ def plot_paired(diffs: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_tasks(records: Sequence[Record], ratio: float, path: Path) -> None:
+def plot_tasks(est: Estimates, ratio: float, path: Path) -> None:
     plt = _pyplot()
-    rows = _sorted_rows(summary(records)["rows"])
-    length = min(r["length"] for r in rows)
-    rows = [r for r in rows if r["length"] == length and r["ratio"] in (None, ratio)]
-    tasks = sorted({r.task for r in records}, key=lambda t: ("single" not in t, t))
+    length = min(r["length"] for r in est.rows)
+    rows = [r for r in est.rows if r["length"] == length and r["ratio"] in (None, ratio)]
+    tasks = est.tasks
     fig, ax = plt.subplots(figsize=(max(7, len(tasks) * 1.1), 4))
     width = 0.8 / max(1, len(rows))
     for i, r in enumerate(rows):
@@ -235,11 +251,13 @@ def plot_alignment(maps: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]] | None = None) -> dict:
+def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]] | None = None,
+            rows: list[dict] | None = None) -> dict:
     """Per method and ratio at one context length: n, score with its interval, teacher-forced KL with
     its interval, achieved recompute share; the paired differences at equal ratios, and cacheclip against
-    cacheblend at larger ratios (for scripts that check claims)."""
-    rows = [r for r in _sorted_rows(summary(records)["rows"]) if r["length"] == length]
+    cacheblend at larger ratios (for scripts that check claims). `diffs` and the sorted summary `rows`
+    are computed when not given."""
+    rows = [r for r in rows or _sorted_rows(summary(records)["rows"]) if r["length"] == length]
     full = next((r for r in rows if r["variant"] == "full"), None)
     base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
     diffs = diffs or differences(records)
@@ -282,23 +300,23 @@ def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[Alignmen
         "score_vs_ratio": out_dir / "score_vs_ratio.png", "fidelity_vs_ratio": out_dir / "fidelity_vs_ratio.png",
         "paired": out_dir / "paired.png", "tasks": out_dir / "tasks.png",
     }
-    diffs = differences(records)
-    body = {"meta": meta, "summary": summary(records), "paired": diffs["paired"],
+    est = estimate(records)
+    body = {"meta": meta, "summary": est.summary, "paired": est.diffs["paired"],
             "records": records_as_dicts(records), "alignment": [asdict(a) for a in alignment]}
     paths["json"].write_text(json.dumps(body, indent=1))
     for length in sorted({r.length for r in records}):
         paths[f"quality_{length}"] = out_dir / f"quality_{length // 1024}k.json" if length % 1024 == 0 else \
             out_dir / f"quality_{length}.json"
-        paths[f"quality_{length}"].write_text(json.dumps(quality(records, length, diffs), indent=1))
+        paths[f"quality_{length}"].write_text(json.dumps(est.quality[length], indent=1))
     header = "\n".join(f"- {k}: {v}" for k, v in meta.items())
-    paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio, diffs))
-    plot_score_vs_ratio(records, paths["score_vs_ratio"])
-    plot_metric_vs_ratio(records, "tf_kl", "KL(full‖method) over full's answer, nats", paths["fidelity_vs_ratio"])
-    if diffs["paired"]:
-        plot_paired(diffs, paths["paired"])
+    paths["markdown"].write_text(header + "\n\n" + markdown(records, alignment, headline_ratio, est))
+    plot_score_vs_ratio(est.rows, paths["score_vs_ratio"])
+    plot_metric_vs_ratio(est.rows, "tf_kl", "KL(full‖method) over full's answer, nats", paths["fidelity_vs_ratio"])
+    if est.diffs["paired"]:
+        plot_paired(est.diffs, paths["paired"])
     else:
         del paths["paired"]
-    plot_tasks(records, headline_ratio, paths["tasks"])
+    plot_tasks(est, headline_ratio, paths["tasks"])
     if maps:
         paths["alignment"] = out_dir / "alignment.png"
         plot_alignment(maps, paths["alignment"])
