@@ -9,6 +9,8 @@ layers stay full-length; the window lives in the mask (see `attention.position_m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -19,16 +21,19 @@ class PositionedLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: BlendedCache):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: BlendedCache, index: int = 0):
         super().__init__()
         self.keys, self.values = keys, values
         self.owner = owner
+        self.index = index
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("PositionedLayer buffers are allocated up front")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.owner.wait_for_layer is not None:  # its rows may still be arriving (layer-wise loading)
+            self.owner.wait_for_layer(self.index)
         positions = self.owner.write_positions  # [T]
         self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
@@ -54,7 +59,9 @@ class BlendedCache(Cache):
     """
 
     def __init__(self, keys: list[torch.Tensor] | torch.Tensor, values: list[torch.Tensor] | torch.Tensor):
-        super().__init__(layers=[PositionedLayer(k, v, self) for k, v in zip(keys, values)])
+        super().__init__(layers=[PositionedLayer(k, v, self, i) for i, (k, v) in enumerate(zip(keys, values))])
+        # set while a layer-wise load is in flight: called with a layer's index before the layer is used
+        self.wait_for_layer: Callable[[int], None] | None = None
         self.write_positions = torch.zeros(0, dtype=torch.long, device=keys[0].device)
         self.visible_length = 0
         # one [L, B, KV, N, D] buffer behind all layers (when built that way): a chunk's rows are placed
@@ -97,6 +104,16 @@ class BlendedCache(Cache):
         for layer, k, v in zip(self.layers, keys, values):
             layer.keys[0, :, position:position + t].copy_(k)
             layer.values[0, :, position:position + t].copy_(v)
+
+    def slot(self, position: int, length: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows [position, position + length) in every layer: keys, values [L, KV, T, D], the
+        place a stored chunk is decoded into."""
+        if self.key_buffer is None:
+            raise ValueError("slots need a cache built on one [L, B, KV, N, D] buffer (BlendedCache.empty)")
+        if position < 0 or position + length > self.capacity:
+            raise ValueError(f"rows [{position}, {position + length}) lie outside the cache's {self.capacity}")
+        return (self.key_buffer[:, batch, :, position:position + length],
+                self.value_buffer[:, batch, :, position:position + length])
 
     def rows(self, start: int, stop: int, batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of rows [start, stop) stacked over layers: [L, KV, T, D] each."""

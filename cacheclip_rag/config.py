@@ -56,6 +56,9 @@ class EngineConfig:
     threshold: int = 5
     ingest_batch_size: int = 4
     device_cache_bytes: int = 0  # > 0: keep hot chunk caches resident on `device` (LRU), e.g. 8 << 30 on a GPU
+    # > 0: keep hot chunk caches decoded in host RAM in the model's dtype (LRU; pinned when CUDA is present,
+    # where a request's chunks then load layer by layer beside the recompute), e.g. 32 << 30
+    host_cache_bytes: int = 0
     dtype: str = "auto"  # model weights and KV: "auto" (bf16 on CUDA, fp32 on CPU), "float32", "bfloat16", "float16"
     # stored chunk KV: "auto" = the model's dtype on CUDA, float16 on the CPU (half the bytes; first-token
     # KL against float32 storage measured in bench/RESULTS.md), or "float32" / "bfloat16" / "float16", or
@@ -64,7 +67,7 @@ class EngineConfig:
     aux_quantization: str | None = None  # "int8": the aux's selection pass runs int8 dynamic-quantized linears (CPU)
 
     def __post_init__(self) -> None:
-        for name in ("window", "threshold", "ingest_batch_size", "device_cache_bytes"):
+        for name in ("window", "threshold", "ingest_batch_size", "device_cache_bytes", "host_cache_bytes"):
             _require_int(name, getattr(self, name))
         for name in ("primary", "system_prompt", "device", "aux_device"):
             _require_str(name, getattr(self, name))
@@ -81,8 +84,9 @@ class EngineConfig:
             raise ValueError(f"aux_quantization must be None or 'int8', got {self.aux_quantization!r}")
         if self.aux_quantization is not None and self.aux_device != "cpu":
             raise ValueError("aux_quantization='int8' is int8 dynamic quantization for the CPU: set aux_device='cpu'")
-        if self.device_cache_bytes < 0:
-            raise ValueError(f"device_cache_bytes must be >= 0, got {self.device_cache_bytes}")
+        for name in ("device_cache_bytes", "host_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.ingest_batch_size < 1:
             raise ValueError(f"ingest_batch_size must be >= 1, got {self.ingest_batch_size}")
         if not self.system_prompt.strip():

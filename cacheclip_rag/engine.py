@@ -24,14 +24,15 @@ from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
-from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch, new_cache, precompute, prefix_cache,
+from .ingest import (DIRECT, SHARED, PrefixCache, chunk_unit, fetch_or_compute, load_into, new_cache, precompute,
                      storage_dtype, validate_chunks)
+from .layerwise import LayerStream, cuda_layer_stream, load_layerwise
 from .models import LoadedModel, int8_scorer, load_model
 from .recompute import forward_at, recompute
-from .rope import rotate_keys
+from .rope import rotate_keys_
 from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
-from .store import ChunkEntry, LMDBStore, tally_reads
-from .tier import DeviceTier
+from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
+from .tier import DeviceTier, HostTier
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,14 @@ class Engine:
     """Primary model, optional aux model, and the store, with the request path over them."""
 
     primary: LoadedModel
-    store: LMDBStore | DeviceTier  # or any KVStore: RedisStore, TieredStore
+    store: KVStore  # LMDBStore, RedisStore, TieredStore, and the HostTier / DeviceTier in front of them
     config: EngineConfig = field(default_factory=EngineConfig)
     aux: LoadedModel | None = None
     # "auto": the Triton selected-rows kernel on CUDA (a warning if Triton is missing), SDPA elsewhere;
     # None: always SDPA with position masks
     kernel: SelectedRowsKernel | None | str = "auto"
+    # the stream a layer-wise load runs on (behind a host tier): CUDA's by default, none on a CPU
+    layer_stream: Callable[[LoadedModel], LayerStream | None] = cuda_layer_stream
 
     def __post_init__(self) -> None:
         if self.kernel == "auto":
@@ -172,6 +175,8 @@ class Engine:
                 config.aux, device=config.aux_device, dtype=config.dtype
             )
         store = open_store(config.store_path, config.shared_store)
+        if config.host_cache_bytes:
+            store = HostTier(store, config.host_cache_bytes)
         if config.device_cache_bytes:
             store = DeviceTier(store, primary.device, config.device_cache_bytes)
         return cls(primary=primary, store=store, config=config, aux=aux)
@@ -200,16 +205,8 @@ class Engine:
                 system_prompt: str | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
         """Stored entries for `texts` behind `system_prompt` (default the engine's); a miss is computed,
         stored and used."""
-        system_prompt = system_prompt or self.config.system_prompt
-        prefix = prefix_cache(lm, self.store, system_prompt)
-        keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
-        found = fetch(lm, self.store, keys)
-        missing = [t for t, e in zip(texts, found) if e is None]
-        if missing:
-            precompute(lm, self.store, missing, system_prompt, variant,
-                       self.config.ingest_batch_size, progress=False, store_dtype=self.store_dtype(lm))
-            found = fetch(lm, self.store, keys)
-        return prefix, found  # type: ignore[return-value]
+        return fetch_or_compute(lm, self.store, texts, variant, system_prompt or self.config.system_prompt,
+                                self.config.ingest_batch_size, self.store_dtype(lm))
 
     # ---- request path ------------------------------------------------------------------------
 
@@ -327,20 +324,30 @@ class Engine:
     # ---- building blocks ---------------------------------------------------------------------
 
     def blended_cache(self, plan: Plan, options: RequestOptions, shared: bool, reposition: bool = True) -> BlendedCache:
-        """One prefix, then every chunk's cached rows at its offset in the prompt: its keys re-rotated
-        to the contiguous positions there, or (`reposition=False`, APE) left at the positions they were
-        computed at, right behind the prefix, so the chunks' positions overlap."""
+        """One prefix, then every chunk's cached rows at its offset in the prompt: decoded from the store
+        straight into its place, its keys then re-rotated there to the contiguous positions (or, with
+        `reposition=False`, APE, left at the positions they were computed at, right behind the prefix, so
+        the chunks' positions overlap). On CUDA behind a host tier the load runs layer by layer beside
+        the recompute (`layerwise`)."""
         lm = self.primary
-        prefix, entries = self.entries(lm, plan.texts, SHARED if shared else DIRECT, plan.system_prompt)
         cache = new_cache(lm, plan.length + options.max_new_tokens)
-        cache.place(0, prefix.keys, prefix.values)
         computed_at = plan.prefix_len if shared else 0
-        for offset, entry, ids in zip(plan.chunk_offsets, entries, plan.chunk_ids):
-            if entry.token_ids != ids:
-                raise RuntimeError("stored chunk tokens differ from the prompt's: the tokenizer changed under the store")
-            keys = entry.keys.to(cache.layers[0].keys.dtype)  # rotate in the compute dtype, not the storage one
-            keys = rotate_keys(lm.model, keys, offset - computed_at) if reposition else keys
-            cache.place(offset, keys, entry.values)
+        slots = [cache.slot(offset, len(ids)) for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids)]
+        deltas = [offset - computed_at if reposition else 0 for offset in plan.chunk_offsets]
+        variant = SHARED if shared else DIRECT
+        batch, dtype = self.config.ingest_batch_size, self.store_dtype(lm)
+        stream = self.layer_stream(lm) if isinstance(self.store, HostTier) else None
+        if stream is not None:
+            prefix = load_layerwise(lm, self.store, plan.texts, plan.chunk_ids, slots, deltas, variant,
+                                    plan.system_prompt, stream, batch, dtype)
+            cache.wait_for_layer = stream.wait
+        else:
+            prefix = load_into(lm, self.store, plan.texts, plan.chunk_ids, slots, variant, plan.system_prompt,
+                               batch, dtype)
+            rotations: dict = {}
+            for (keys, _), delta in zip(slots, deltas):
+                rotate_keys_(lm.model, keys, delta, rotations=rotations)  # in the compute dtype, in place
+        cache.place(0, prefix.keys, prefix.values)
         return cache
 
     def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor) -> torch.Tensor:

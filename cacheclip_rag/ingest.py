@@ -1,8 +1,11 @@
-"""Precomputing chunk KV caches behind the shared prefix (or alone, for `direct`) and storing them."""
+"""Chunk KV caches: precomputed behind the shared prefix (or alone, for `direct`) and stored at
+ingest; fetched for a request, and computed there where missing (`fetch_or_compute`, `load_into`:
+the miss path of every request, in one place)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,8 +15,10 @@ from .cache import BlendedCache
 from .config import check_text
 from .models import LoadedModel, resolve_dtype
 from .recompute import forward_at
-from .store import STORE_DTYPES, ChunkEntry, LMDBStore, as_stored, entry_key
+from .store import (STORE_DTYPES, ChunkEntry, EntryView, KVStore, Slot, StoreFullError, as_stored, encode_entry,
+                    entry_key, parse_entry)
 
+log = logging.getLogger(__name__)
 SHARED, DIRECT, PREFIX = "shared", "direct", "prefix"
 
 
@@ -63,7 +68,7 @@ def chunk_key(lm: LoadedModel, prefix_ids: Sequence[int], text: str, variant: st
     return entry_key(lm.fingerprint.digest, prefix_ids if variant == SHARED else (), chunk_unit(lm, text), variant)
 
 
-def fetch(lm: LoadedModel, store: LMDBStore, keys: list[bytes]) -> list[ChunkEntry | None]:
+def fetch(lm: LoadedModel, store: KVStore, keys: list[bytes]) -> list[ChunkEntry | None]:
     """Stored entries for `keys` on the model's device, each checked against the model's cache layout
     (layers, kv heads, head dim): an entry of another layout (a buggy writer, a crafted store) is
     quarantined and reported missing, so it is recomputed rather than zipped short or misread."""
@@ -80,8 +85,9 @@ def fetch(lm: LoadedModel, store: LMDBStore, keys: list[bytes]) -> list[ChunkEnt
     return found
 
 
-def prefix_cache(lm: LoadedModel, store: LMDBStore, system_prompt: str) -> PrefixCache:
-    """The shared prefix's KV, computed once per (model, prefix) and stored."""
+def prefix_cache(lm: LoadedModel, store: KVStore, system_prompt: str) -> PrefixCache:
+    """The shared prefix's KV, computed once per (model, prefix) and stored (served unstored when the
+    store is full)."""
     ids = lm.encode_prefix(lm.prompt.prefix(system_prompt))
     key = entry_key(lm.fingerprint.digest, ids, "", PREFIX)
     entry = fetch(lm, store, [key])[0]
@@ -94,7 +100,7 @@ def prefix_cache(lm: LoadedModel, store: LMDBStore, system_prompt: str) -> Prefi
         forward_at(lm.model, cache, torch.tensor([ids]), positions)
         keys, values = cache.rows(0, len(ids))
         entry = ChunkEntry(keys.clone(), values.clone(), tuple(ids), ())
-        store.put(key, lm.fingerprint.digest, entry)
+        _store_or_serve(store, [(key, lm.fingerprint.digest, entry)])
     return PrefixCache(tuple(ids), entry.keys, entry.values)
 
 
@@ -145,7 +151,7 @@ def storage_dtype(setting: str, lm: LoadedModel) -> torch.dtype:
 
 def precompute(
     lm: LoadedModel,
-    store: LMDBStore,
+    store: KVStore,
     texts: Sequence[str],
     system_prompt: str,
     variant: str = SHARED,
@@ -164,6 +170,14 @@ def precompute(
     prefix = prefix_cache(lm, store, system_prompt)
     keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
     todo = list({k: t for k, t in zip(keys, texts) if not store.contains(k)}.items())
+    for batch, entries in _computed(lm, prefix, todo, variant, batch_size, store_dtype, progress):
+        store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
+    return keys
+
+
+def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], variant: str, batch_size: int,
+              store_dtype: torch.dtype | None, progress: bool) -> Iterator[tuple[list[tuple[bytes, str]], list[ChunkEntry]]]:
+    """(batch of (key, text), their entries in the storage dtype), a batch at a time."""
     behind = prefix if variant == SHARED else None
     encoded = _encode_units(lm, [chunk_unit(lm, t) for _, t in todo], len(behind.token_ids) if behind else 0)
     bar = tqdm(total=len(todo), desc=f"precompute {lm.name} ({variant})", unit="chunk", disable=not progress)
@@ -171,7 +185,72 @@ def precompute(
         batch = todo[i : i + batch_size]
         entries = [replace(as_stored(e, store_dtype), model=lm.name)
                    for e in _compute_batch(lm, behind, encoded[i : i + batch_size])]
-        store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
+        yield batch, entries
         bar.update(len(batch))
     bar.close()
-    return keys
+
+
+_full_warned: set[str] = set()
+
+
+def _store_or_serve(store: KVStore, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
+    """Store what a request computed; a full store (its cap, or the disk) must not fail the request:
+    the entries are served unstored, and the first such miss per store is logged."""
+    try:
+        store.put_many(items)
+    except StoreFullError as err:
+        where = str(getattr(store, "path", store))
+        if where not in _full_warned:
+            _full_warned.add(where)
+            log.warning("store %s is full: chunk caches computed for requests are served but not stored "
+                        "(evict or raise the cap to reuse them): %s", where, err)
+
+
+def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missing: dict[bytes, str], variant: str,
+                     batch_size: int, store_dtype: torch.dtype | None) -> dict[bytes, EntryView]:
+    """The missing chunks computed and stored, each as the bytes the store holds (so a request served
+    from a miss sees exactly what later requests read back)."""
+    views: dict[bytes, EntryView] = {}
+    fingerprint = lm.fingerprint.digest
+    for batch, entries in _computed(lm, prefix, list(missing.items()), variant, batch_size, store_dtype, False):
+        _store_or_serve(store, [(k, fingerprint, e) for (k, _), e in zip(batch, entries)])
+        for (k, _), e in zip(batch, entries):
+            views[k] = parse_entry(encode_entry(fingerprint, e, k), fingerprint, k, checked=True)
+    return views
+
+
+def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], variant: str, system_prompt: str,
+                     batch_size: int = 4, store_dtype: torch.dtype | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
+    """The prefix and each chunk's entry (new tensors on the model's device): read, or computed,
+    stored and served where missing."""
+    prefix = prefix_cache(lm, store, system_prompt)
+    keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
+    found = fetch(lm, store, keys)
+    missing = {k: t for k, t, e in zip(keys, texts, found) if e is None}
+    if missing:
+        views = compute_missing(lm, store, prefix, missing, variant, batch_size, store_dtype)
+        found = [views[k].decode(lm.device) if e is None else e for k, e in zip(keys, found)]
+    return prefix, found  # type: ignore[return-value]
+
+
+def load_into(lm: LoadedModel, store: KVStore, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
+              slots: Sequence[Slot], variant: str, system_prompt: str, batch_size: int = 4,
+              store_dtype: torch.dtype | None = None) -> PrefixCache:
+    """Each chunk's cache decoded straight into `slots[i]` (views of the request's blended cache), the
+    misses computed, stored and placed. An intact entry whose tokens are not `token_ids[i]` (another
+    chunk's entry under this key, or a changed tokenizer) is quarantined and recomputed. Returns the
+    prefix."""
+    prefix = prefix_cache(lm, store, system_prompt)
+    keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
+    found = store.read_into(keys, lm.fingerprint.digest, slots)
+    for i, (key, entry) in enumerate(zip(keys, found)):
+        if entry is not None and entry.token_ids != tuple(token_ids[i]):
+            store.quarantine(key, "its token ids are not those of the text its key names")
+            found[i] = None
+    missing = {k: t for k, t, e in zip(keys, texts, found) if e is None}
+    if missing:
+        views = compute_missing(lm, store, prefix, missing, variant, batch_size, store_dtype)
+        for key, entry, slot in zip(keys, found, slots):
+            if entry is None:
+                views[key].copy_into(slot)
+    return prefix

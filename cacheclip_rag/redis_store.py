@@ -23,12 +23,15 @@ import time
 import logging
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
-from .store import (ChunkEntry, CorruptEntryError, LMDBStore, StoreError, StoreFullError, as_stored, decode_entry,
-                    encode_entry, record_read)
+from .store import (ChunkEntry, CorruptEntryError, LMDBStore, Slot, StoreError, StoreFullError, as_stored,
+                    encode_entry, parse_entry, record_read)
+from .store.codec import copy_tensor
+from .store.protocol import misfit
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +102,8 @@ class RedisStore:
     def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
         return self.get_many([key], fingerprint, device)[0]
 
-    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
-        """Entries for `keys` in two round trips (entries or manifests, then any parts)."""
-        started = time.perf_counter()
+    def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each entry's bytes in two round trips (entries or manifests, then any parts); None for a miss."""
         heads = self._call(self.client.mget, [self._entry(k) for k in keys]) if keys else []
         manifests = {i: json.loads(raw[len(_MANIFEST):]) for i, raw in enumerate(heads)
                      if raw is not None and raw.startswith(_MANIFEST)}
@@ -112,16 +114,23 @@ class RedisStore:
                 pipe.mget([self._part(keys[i], m["token"], n) for n in range(m["parts"])])
             for i, got in zip(manifests, self._call(pipe.execute)):
                 parts[i] = got
-        found: list[ChunkEntry | None] = []
-        for i, (key, raw) in enumerate(zip(keys, heads)):
+        found: list[bytes | None] = []
+        for i, raw in enumerate(heads):
             if raw is not None and i in manifests:
                 pieces = parts[i]
                 raw = None if any(p is None for p in pieces) else b"".join(pieces)  # parts evicted: a miss
+            found.append(raw)
+        return found
+
+    def _decoded(self, keys: list[bytes], fingerprint: str, use) -> list:
+        started = time.perf_counter()
+        found: list = []
+        for key, raw in zip(keys, self._raw_many(keys)):
             if raw is None:
                 found.append(None)
                 continue
             try:
-                found.append(decode_entry(raw, fingerprint, device))
+                found.append(use(len(found), parse_entry(raw, fingerprint, key)))
             except CorruptEntryError as err:
                 log.error("redis %s: entry %s is corrupted (%s); quarantined, it will be recomputed",
                           self.url, key.hex(), err)
@@ -130,6 +139,21 @@ class RedisStore:
         record_read("redis", found, time.perf_counter() - started)
         return found
 
+    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
+        """Entries for `keys` as new tensors, each verified as it arrives."""
+        return self._decoded(keys, fingerprint, lambda i, view: view.decode(device))
+
+    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
+        """Entries decoded from the received bytes straight into `slots` (see `LMDBStore.read_into`)."""
+
+        def use(i: int, view) -> ChunkEntry:
+            if tuple(slots[i][0].shape) != view.shape or tuple(slots[i][1].shape) != view.shape:
+                raise CorruptEntryError(misfit(view.shape, slots[i]))
+            view.copy_into(slots[i])
+            return ChunkEntry(slots[i][0], slots[i][1], view.token_ids, view.offsets, view.model)
+
+        return self._decoded(keys, fingerprint, use)
+
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
         self.put_many([(key, fingerprint, entry)])
 
@@ -137,7 +161,7 @@ class RedisStore:
         """Each entry appears whole or not at all: parts first, then the readable key."""
         small = self.client.pipeline(transaction=False)
         for key, fingerprint, entry in items:
-            raw = encode_entry(fingerprint, entry)
+            raw = encode_entry(fingerprint, entry, key)
             if len(raw) <= self.part_bytes:
                 small.set(self._entry(key), raw)
                 continue
@@ -194,8 +218,9 @@ class TieredStore:
     def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
         return self.get_many([key], fingerprint, device)[0]
 
-    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
-        found = self.local.get_many(keys, fingerprint, device)
+    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu",
+                 local_checked: bool = False) -> list[ChunkEntry | None]:
+        found = [None] * len(keys) if local_checked else self.local.get_many(keys, fingerprint, device)
         missing = [i for i, e in enumerate(found) if e is None]
         remote_hits = 0
         if missing:
@@ -216,6 +241,21 @@ class TieredStore:
             self.local_hits += len(keys) - len(missing)
             self.remote_hits += remote_hits
             self.misses += len(missing) - remote_hits
+        return found
+
+    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
+        """Local entries straight into `slots`; the rest from the shared tier (filling the local one)."""
+        found = self.local.read_into(keys, fingerprint, slots)
+        missing = [i for i, e in enumerate(found) if e is None]
+        with self._lock:
+            self.local_hits += len(keys) - len(missing)
+        if missing:
+            fetched = self.get_many([keys[i] for i in missing], fingerprint, slots[0][0].device, local_checked=True)
+            for i, entry in zip(missing, fetched):
+                if entry is not None and tuple(entry.keys.shape) == tuple(slots[i][0].shape):
+                    copy_tensor(entry.keys, slots[i][0])
+                    copy_tensor(entry.values, slots[i][1])
+                    found[i] = replace(entry, keys=slots[i][0], values=slots[i][1], scales=None)
         return found
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:

@@ -9,6 +9,8 @@ uses different bases on local and global layers).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
@@ -51,19 +53,39 @@ def rotate_keys(model: PreTrainedModel, keys: torch.Tensor, delta: int | torch.T
     handful of launches per chunk, not several per layer), in float32, returning the input dtype;
     only the first R dims rotate when the model uses partial rotary embeddings.
     """
+    if isinstance(delta, int) and delta == 0:
+        return keys
+    return rotate_keys_(model, keys.clone(), delta)  # the unrotated tail dims (partial rotary) come along
+
+
+def rotate_keys_(model: PreTrainedModel, keys: torch.Tensor, delta: int | torch.Tensor,
+                 layers: Sequence[int] | None = None, rotations: dict | None = None) -> torch.Tensor:
+    """`rotate_keys` in place, on any view (a chunk's slot of the blended cache); `layers` limits it to
+    those layers (layer-wise loading rotates each layer as it arrives), and `rotations` (a dict the
+    caller keeps) reuses each (layer type, delta)'s cos and sin across calls. Returns `keys`."""
     num_tokens = keys.shape[2]
+    memo_key = None
     if isinstance(delta, int):
         if delta == 0:
             return keys
+        memo_key = (delta, num_tokens)
         delta = torch.full((num_tokens,), delta, dtype=torch.long, device=keys.device)
     kinds = layer_types(model)
     if len(kinds) != keys.shape[0]:
         raise ValueError(f"keys for {keys.shape[0]} layers given to a model of {len(kinds)} layers")
-    out = keys.clone()  # the unrotated tail dims (partial rotary) come along
+    wanted = set(range(len(kinds)) if layers is None else layers)
+    out = keys
     for kind in dict.fromkeys(kinds):
-        cos, sin = rotation(model, kind, delta.to(keys.device), torch.float32)  # [T, R]
+        index = [layer for layer, k in enumerate(kinds) if k == kind and layer in wanted]
+        if not index:
+            continue
+        if rotations is not None and memo_key is not None and (kind, memo_key) in rotations:
+            cos, sin = rotations[(kind, memo_key)]
+        else:
+            cos, sin = rotation(model, kind, delta.to(keys.device), torch.float32)  # [T, R]
+            if rotations is not None and memo_key is not None:
+                rotations[(kind, memo_key)] = (cos, sin)
         r = cos.shape[-1]
-        index = [layer for layer, k in enumerate(kinds) if k == kind]
         chosen = slice(index[0], index[-1] + 1) if index == list(range(index[0], index[-1] + 1)) else index
         k = keys[chosen, ..., :r].float()  # [Lk, KV, T, R]
         out[chosen, ..., :r] = (k * cos + _rotate_half(k) * sin).to(keys.dtype)

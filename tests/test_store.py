@@ -34,12 +34,33 @@ def test_entry_of_another_model_is_refused(tmp_path):
             s.get(b"k", "model-b")
 
 
-def test_entry_of_another_format_version_is_refused(tmp_path, monkeypatch):
+def _encoded_as(version: int, entry: ChunkEntry, fingerprint: str, key: bytes | None = None) -> bytes:
+    """An entry written by another format version: 1 (blake2b, no key) or a future one."""
+    import json
+    import struct
+
+    header = {"version": version, "fingerprint": fingerprint, "dtype": str(entry.keys.dtype).removeprefix("torch."),
+              "shape": list(entry.keys.shape), "token_ids": list(entry.token_ids),
+              "offsets": [list(o) for o in entry.offsets]}
+    if key is not None:
+        header["key"] = key.hex()
+    payload = entry.keys.numpy().tobytes() + entry.values.numpy().tobytes()
+    header["checksum"] = store_mod._checksum(header, payload)
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + payload
+
+
+def test_version_1_entries_are_still_read_and_an_unknown_version_is_refused(tmp_path):
+    entry = random_entry()
     with LMDBStore(tmp_path) as s:
-        s.put(b"k", "m", random_entry())
-        monkeypatch.setattr(store_mod, "FORMAT_VERSION", 2)
-        with pytest.raises(StoreError, match="format version 1"):
-            s.get(b"k", "m")
+        with s.env.begin(write=True) as txn:
+            txn.put(b"old", _encoded_as(1, entry, "m"), db=s._dbs[b"entries"])
+            txn.put(b"new", _encoded_as(3, entry, "m", b"new"), db=s._dbs[b"entries"])
+        got = s.get(b"old", "m")
+        assert torch.equal(got.keys, entry.keys) and got.token_ids == entry.token_ids
+        with pytest.raises(StoreError, match="format version 3; this library reads versions 1, 2"):
+            s.get(b"new", "m")
+        assert store_mod.FORMAT_VERSION == 2
 
 
 def corrupt(store, key, where):

@@ -131,8 +131,8 @@ def put_raw(store: LMDBStore, key: bytes, raw: bytes) -> None:
         txn.put(key, raw, db=store._dbs[b"entries"])
 
 
-def header_of(entry: ChunkEntry, **changes) -> dict:
-    header = {"version": FORMAT_VERSION, "fingerprint": FINGERPRINT, "dtype": "float32",
+def header_of(entry: ChunkEntry, key: bytes = b"k" * 32, **changes) -> dict:
+    header = {"version": FORMAT_VERSION, "key": key.hex(), "fingerprint": FINGERPRINT, "dtype": "float32",
               "shape": list(entry.keys.shape), "token_ids": list(entry.token_ids),
               "offsets": [list(o) for o in entry.offsets]}
     header.update(changes)
@@ -192,14 +192,14 @@ def test_bit_flips_in_the_header_are_quarantined_not_errors_forever(tmp_path):
     """Flip every bit of the version and fingerprint fields: each damaged entry must read as missing
     (quarantined, recomputed), never as 'another model' or 'another format version'."""
     entry = synthetic_entry(1)
-    raw = encode_entry(FINGERPRINT, entry)
+    raw = encode_entry(FINGERPRINT, entry, bytes(32))
     start = raw.index(b'"version"')
     stop = raw.index(b'"dtype"')
     with LMDBStore(tmp_path) as store:
         for bit in range((stop - start) * 8):
-            damaged = bytearray(raw)
-            damaged[start + bit // 8] ^= 1 << (bit % 8)
             key = bit.to_bytes(4, "big") * 8
+            damaged = bytearray(encode_entry(FINGERPRINT, entry, key))  # same length: keys are 32 bytes
+            damaged[start + bit // 8] ^= 1 << (bit % 8)
             put_raw(store, key, bytes(damaged))
             assert store.get(key, FINGERPRINT) is None, bit
         assert len(store.quarantined()) == (stop - start) * 8
