@@ -7,7 +7,9 @@ pair costs 4·D FLOPs per head (2·D for QK^T, 2·D for PV).
 Usage (GPU machine): python bench/bench_kernel.py [--contexts 4096 8192 16384] [--ratios 0.1 0.2 0.3]
                                                   [--json bench/results/kernel_h200.json]
 The JSON holds one object per (context, ratio): dense_tflops, flex_tflops, masked_tflops,
-kernel_tflops (tuned tiles), kernel_64x64_tflops, question_only_tflops, context, ratio, rows, date.
+kernel_tflops (the default tiles), kernel_<M>x<N>_w<warps>_s<stages>_tflops for each tile of --tiles,
+question_only_tflops, context, ratio, rows, date. It is rewritten after every path, so a run stopped at
+its time limit keeps what it measured; the headline paths (dense, masked, the kernel) come first.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2, 0.3])
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--tiles", default="128x64x8x3,128x128x8x2,128x128x8x3,64x64x4x3",
+                    help="kernel tiles to time beside the default: rows x keys x warps x stages, comma-separated")
     ap.add_argument("--json", type=Path, default=None, help="write the numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -100,21 +104,32 @@ def main() -> None:
                       flush=True)
                 if field:
                     case[field] = tf
+                    if args.json:  # rewritten after every path: a stopped run keeps what it measured
+                        args.json.parent.mkdir(parents=True, exist_ok=True)
+                        args.json.write_text(json.dumps(cases, indent=1))
 
+            cases.append(case)
+            mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
+            masked = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
+            report("SDPA, boolean mask", time_ms(masked), masked().transpose(1, 2), "masked_tflops")
             pos32 = pos[None].to(torch.int32)
             run_tuned = lambda: selected_attention(q, k, v, pos32, scale, validate=False)  # noqa: E731
-            report("Triton selected rows (ours, tuned tiles)", time_ms(run_tuned), run_tuned(), "kernel_tflops")
-            run_64 = lambda: selected_attention(q, k, v, pos32, scale, block_m=64, block_n=64, validate=False)  # noqa: E731
-            report("Triton selected rows (64x64 tiles)", time_ms(run_64), run_64(), "kernel_64x64_tflops")
+            report("Triton selected rows (ours, default tiles)", time_ms(run_tuned), run_tuned(), "kernel_tflops")
+            for tile in args.tiles.split(","):
+                bm, bn, warps, stages = (int(x) for x in tile.split("x"))
+                run_tile = lambda bm=bm, bn=bn, w=warps, st=stages: selected_attention(  # noqa: E731
+                    q, k, v, pos32, scale, block_m=bm, block_n=bn, num_warps=w, num_stages=st, validate=False)
+                try:
+                    report(f"Triton selected rows ({bm}x{bn}, {warps} warps, {stages} stages)", time_ms(run_tile),
+                           run_tile(), f"kernel_{bm}x{bn}_w{warps}_s{stages}_tflops")
+                except Exception as err:  # noqa: BLE001 - a tile that does not fit shared memory or registers
+                    print(f"| {n} | {ratio:.0%} | {rows} | {bm}x{bn} w{warps} s{stages}: {type(err).__name__} | | | | |")
             question = pos[-QUESTION:]
             q_question = q[:, :, -QUESTION:]
             run_question = lambda: selected_attention(q_question, k, v, question[None].to(torch.int32), scale,  # noqa: E731
                                                       validate=False)
             report(f"Triton, question only ({QUESTION} rows, split keys)", time_ms(run_question), run_question(),
                    "question_only_tflops", useful_flops(question), ref[:, -QUESTION:])
-            mask = torch.arange(n, device=dev)[None, :] <= pos[:, None]
-            masked = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
-            report("SDPA, boolean mask", time_ms(masked), masked().transpose(1, 2), "masked_tflops")
             if flex is not None:
                 def mask_mod(b, h, q_idx, kv_idx):
                     return kv_idx <= pos[q_idx]
@@ -125,7 +140,6 @@ def main() -> None:
                 report("FlexAttention + block mask build", time_ms(
                     lambda: flex(q, k, v, block_mask=create_block_mask(mask_mod, 1, 1, rows, n, device=dev),
                                  enable_gqa=True, scale=scale), warmup=2, iters=5), None)
-            cases.append(case)
             print(f"kernel / dense SDPA TFLOP/s at {n}, {ratio:.0%}: {case['kernel_tflops'] / dense_tf:.2f} "
                   f"(target >= 0.80)", flush=True)
     if args.json:

@@ -11,11 +11,23 @@ if (_root / "kernels" / "selected_attention.py").is_file() and (_root / "pyproje
     __path__.append(str(_root))  # noqa: F821 - a package's __path__
 
 from .config import METHODS, EngineConfig, RequestOptions
-from .engine import Answer, Engine, Stream
-from .models import LoadedModel, PromptFormat, load_model
-from .store import LMDBStore, StoreError
+
+# the rest import torch and transformers: loaded on first use, so `import cacheclip_rag` (and the CLI's
+# argument checks) take milliseconds, not the ten seconds those imports cost
+_LAZY = {"Answer": "engine", "Engine": "engine", "Stream": "engine", "LoadedModel": "models", "PromptFormat": "models",
+         "load_model": "models", "LMDBStore": "store", "StoreError": "store"}
 
 __all__ = [
     "METHODS", "Answer", "Engine", "EngineConfig", "LMDBStore", "LoadedModel", "PromptFormat",
     "RequestOptions", "StoreError", "Stream", "load_model",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

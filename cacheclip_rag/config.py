@@ -6,14 +6,30 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .models import DEFAULT_SYSTEM_PROMPT, cache_dir, resolve_dtype
-from .store import STORE_DTYPES
+from .embedded import cache_dir
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a precise assistant. Answer the question using only the documents below. "
+    "Reply with the answer alone."
+)
+# dtypes by name (resolved to torch's when a model loads: this module imports no torch, so the CLI can
+# check its arguments at once): model weights and KV, and stored chunk caches
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+STORE_DTYPE_NAMES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 
 METHODS = ("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle")
 
 # APE (Yang et al., ICLR 2025): attention temperature and scaling factor on the parallel-encoded chunks
 APE_TEMPERATURE = 0.9
 APE_SCALE = 0.9
+
+
+def check_dtype(value: object, names: tuple[str, ...] = DTYPE_NAMES) -> None:
+    """"auto" or one of `names`, else a ValueError naming the choices (torch dtypes pass too)."""
+    if type(value).__module__ == "torch":
+        return
+    if value != "auto" and value not in names:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(names)}, got {value!r}")
 
 
 def is_redis_url(location: str) -> bool:
@@ -77,9 +93,8 @@ class EngineConfig:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:
             raise ValueError(f"threshold must be in [1, window={self.window}], got {self.threshold}")
-        resolve_dtype(self.dtype, self.device)  # a clear error for an unknown dtype, before any model loads
-        if self.store_dtype != "auto":
-            resolve_dtype(self.store_dtype, self.device, STORE_DTYPES)
+        check_dtype(self.dtype)  # a clear error for an unknown dtype, before any model loads
+        check_dtype(self.store_dtype, STORE_DTYPE_NAMES)
         if self.aux_quantization not in (None, "int8"):
             raise ValueError(f"aux_quantization must be None or 'int8', got {self.aux_quantization!r}")
         if self.aux_quantization is not None and self.aux_device != "cpu":
@@ -144,7 +159,8 @@ class RequestOptions:
                 raise ValueError("system_prompt (the shared prefix) must not be empty; None uses the engine's")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if not isinstance(self.ratio, (int, float)) or math.isnan(self.ratio) or not 0.0 <= self.ratio <= 1.0:
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or math.isnan(self.ratio) \
+                or not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"recompute ratio must be a number in [0, 1], got {self.ratio!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -1,141 +1,39 @@
 """The reuse engine: one prefix, chunks at contiguous positions, selective recompute, decode.
 
 A request reads as the algorithm: plan -> load (+ select, overlapped) -> group -> recompute -> decode.
-Each method is a prefill function `(engine, plan, options) -> Prefill`; `full` and the reuse
-methods share the same cache, mask and decode code, so their outputs are directly comparable.
+Each method is a prefill function `(engine, plan, options) -> Prefill` (`methods`); the engine holds
+the models and the store and the building blocks the methods share.
 """
 
 from __future__ import annotations
 
-import contextvars
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from .align import map_selection
-from .attention import ChunkScaling, SelectedRowsKernel, use_cacheclip_attention
+from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
-from .ingest import (DIRECT, SHARED, PrefixCache, chunk_unit, fetch_or_compute, load_into, new_cache, precompute,
+from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into, new_cache, precompute,
                      storage_dtype, validate_chunks)
 from .layerwise import LayerStream, cuda_layer_stream, load_layerwise
 from .models import LoadedModel, int8_scorer, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys_
-from .select import aux_scores, primary_attention_scores, question_tokens, top_k_candidates, value_deviation_scores
+from .methods import PREFILLS, side_stream
+from .request import Answer, Plan, Prefill, Stream, Timings
+from .select import aux_scores, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
 from .tier import DeviceTier, HostTier
 
-
-@dataclass(frozen=True)
-class Plan:
-    """Token layout of one request in the primary's tokenizer."""
-
-    texts: tuple[str, ...]
-    prefix_ids: tuple[int, ...]
-    chunk_ids: tuple[tuple[int, ...], ...]
-    char_spans: tuple[tuple[tuple[int, int], ...], ...]  # per chunk token: its characters in the chunk
-    question_ids: tuple[int, ...]
-    question: str
-    system_prompt: str = ""  # the shared prefix's text (the request's, else the engine's)
-
-    @property
-    def prefix_len(self) -> int:
-        return len(self.prefix_ids)
-
-    @property
-    def chunk_offsets(self) -> list[int]:
-        offsets, at = [], self.prefix_len
-        for ids in self.chunk_ids:
-            offsets.append(at)
-            at += len(ids)
-        return offsets
-
-    @property
-    def question_start(self) -> int:
-        return self.prefix_len + sum(len(c) for c in self.chunk_ids)
-
-    @property
-    def length(self) -> int:
-        return self.question_start + len(self.question_ids)
-
-    def context_ids(self) -> list[int]:
-        return [*self.prefix_ids, *(t for ids in self.chunk_ids for t in ids)]
-
-    def all_ids(self) -> list[int]:
-        return [*self.context_ids(), *self.question_ids]
-
-    def question_positions(self) -> torch.Tensor:
-        return torch.arange(self.question_start, self.length)
-
-
-@dataclass
-class Timings:
-    load_s: float = 0.0
-    select_s: float = 0.0
-    recompute_s: float = 0.0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    decode_tokens: int = 0
-    store: dict[str, float] = field(default_factory=dict)  # reads per tier: {tier}_hits, _misses, _s
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "load_s": self.load_s, "select_s": self.select_s, "recompute_s": self.recompute_s,
-            "ttft_s": self.ttft_s, "decode_tokens_per_s": self.decode_tokens_per_s, "store": dict(self.store),
-        }
-
-
-@dataclass
-class Prefill:
-    """What a method's prefill leaves for decoding."""
-
-    cache: BlendedCache
-    logits: torch.Tensor  # [V] next-token logits after the question
-    recomputed_positions: torch.Tensor  # chunk positions whose K/V were recomputed
-    timings: Timings
-    rope_shift: int = 0  # cache row minus RoPE position for the question and answer (APE's parallel positions)
-    chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
-
-
-@dataclass
-class Answer:
-    text: str
-    token_ids: list[int]
-    method: str
-    ratio: float
-    prompt_tokens: int
-    recomputed_tokens: int
-    first_logits: torch.Tensor
-    timings: Timings
-
-    @property
-    def recompute_fraction(self) -> float:
-        return self.recomputed_tokens / max(1, self.prompt_tokens)
-
-
-@dataclass
-class Stream:
-    """Iterate for text pieces; `answer` is set once the iteration ends."""
-
-    pieces: Iterator[str]
-    answer: Answer | None = None
-    token_ids: list[int] = field(default_factory=list)  # filled as tokens decode, also when iteration stops early
-
-    def __iter__(self) -> Iterator[str]:
-        return self.pieces
+__all__ = ["Answer", "Engine", "Plan", "Prefill", "Stream", "Timings", "default_kernel", "open_store"]
 
 
 @dataclass
@@ -196,6 +94,27 @@ class Engine:
             precompute(self.aux, self.store, texts, self.config.system_prompt, SHARED,
                        self.config.ingest_batch_size, progress, self.store_dtype(self.aux))
         return keys
+
+    def chunk_keys(self, text: str, system_prompt: str | None = None) -> list[bytes]:
+        """Every key a chunk's caches can be stored under: the primary's (behind the shared prefix, and
+        alone for `direct`) and the aux's."""
+        system_prompt = system_prompt or self.config.system_prompt
+        keys = []
+        for lm, variants in ((self.primary, (SHARED, DIRECT)), (self.aux, (SHARED,))):
+            if lm is None:
+                continue
+            prefix_ids = lm.encode_prefix(lm.prompt.prefix(system_prompt))
+            keys += [chunk_key(lm, prefix_ids, text, variant) for variant in variants]
+        return list(dict.fromkeys(keys))
+
+    def retain(self, owner: str, text: str, group: str | None = None) -> None:
+        """Record that `owner` (a framework's node) uses `text`'s caches, inside `group` (its document)."""
+        self.store.retain(owner, self.chunk_keys(text), group)
+
+    def release(self, owners: Sequence[str] = (), group: str | None = None) -> int:
+        """Forget `owners` (or every owner in `group`); caches no other owner uses are deleted. Returns
+        how many entries went."""
+        return len(self.store.release(owners, group))
 
     def store_dtype(self, lm: LoadedModel) -> torch.dtype:
         """The dtype `lm`'s chunk caches are stored in (see `EngineConfig.store_dtype`)."""
@@ -418,153 +337,8 @@ def default_kernel(lm: LoadedModel) -> SelectedRowsKernel | None:
     return module.selected_attention
 
 
-@contextmanager
-def side_stream(device: torch.device) -> Iterator[None]:
-    """Run the block on a CUDA stream of its own (finished before leaving), so it overlaps work queued
-    on the default stream by another thread; a no-op elsewhere."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
-
-
-def _now(engine: Engine, options: RequestOptions) -> float:
-    """perf_counter, after the primary's queued GPU work when the request asks for synced timings (GPU
-    work is asynchronous: otherwise a stage's kernels are billed to the later stage that waits for them)."""
-    if options.sync_timings and engine.primary.device.type == "cuda":
-        torch.cuda.synchronize(engine.primary.device)
-    return time.perf_counter()
-
-
 def _timed_first(tokens: Iterator[int], started: Callable[[], float], timings: Timings) -> Iterator[int]:
     for i, token in enumerate(tokens):
         if i == 0:
             timings.ttft_s = time.perf_counter() - started()
         yield token
-
-
-# ---- methods: each a prefill -----------------------------------------------------------------
-
-
-def _prefill_full(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    timings = Timings()
-    t0 = _now(engine, options)
-    cache = new_cache(engine.primary, plan.length + options.max_new_tokens)
-    ids = torch.tensor([plan.all_ids()])
-    logits = forward_at(engine.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
-    timings.recompute_s = _now(engine, options) - t0
-    return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), timings)
-
-
-def _reuse(engine: Engine, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
-    timings = Timings()
-    t0 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, shared)
-    t1 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, torch.zeros(0, dtype=torch.long))
-    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
-    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings)
-
-
-def _prefill_direct(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    return _reuse(engine, plan, options, shared=False)
-
-
-def _prefill_shared_prefix(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    return _reuse(engine, plan, options, shared=True)
-
-
-def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    """APE: chunks encoded in parallel behind the shared prefix (each keeps the positions it was computed
-    at), the question at the position after the longest chunk, and APE's temperature and scale on the
-    chunk rows for every query token, the answer's included. Nothing is recomputed."""
-    timings = Timings()
-    t0 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, shared=True, reposition=False)
-    t1 = _now(engine, options)
-    longest = max((len(c) for c in plan.chunk_ids), default=0)
-    shift = plan.question_start - (plan.prefix_len + longest)
-    rows = torch.arange(cache.capacity) - shift  # question and answer rows: after the longest chunk
-    rows[: plan.prefix_len] = torch.arange(plan.prefix_len)
-    for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids):
-        rows[offset:offset + len(ids)] = torch.arange(plan.prefix_len, plan.prefix_len + len(ids))
-    scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
-    slots = plan.question_positions()
-    ids = torch.tensor([list(plan.question_ids)])
-    logits = forward_at(engine.primary.model, cache, ids, (slots - shift)[None], slots=slots,
-                        chunk_scaling=scaling)[0, -1]
-    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
-    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings, rope_shift=shift, chunk_scaling=scaling)
-
-
-def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    """Aux selection runs in a thread while the primary's caches load; then recompute."""
-    timings = Timings()
-    t0 = _now(engine, options)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        # the aux's store reads count for this request too: the thread runs in a copy of this context
-        selecting = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, options)
-        cache = engine.blended_cache(plan, options, options.shared_prefix)
-        timings.load_s = _now(engine, options) - t0
-        selected, timings.select_s = selecting.result()
-    positions = engine.positions_of(plan, selected)
-    t1 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, positions)
-    timings.recompute_s = _now(engine, options) - t1
-    return Prefill(cache, logits, positions, timings)
-
-
-def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    timings = Timings()
-    t0 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, options.shared_prefix)
-    t1 = _now(engine, options)
-    chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
-    deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len, kernel=engine.kernel)
-    lengths = [len(c) for c in plan.chunk_ids]
-    candidates = top_k_candidates(list(deviation.split(lengths)), options.ratio)
-    t2 = _now(engine, options)
-    positions = engine.positions_of(plan, candidates)
-    logits = engine.recompute_and_answer(cache, plan, positions)
-    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
-    return Prefill(cache, logits, positions, timings)
-
-
-def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    timings = Timings()
-    t0 = _now(engine, options)
-    scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
-    lengths = [len(c) for c in plan.chunk_ids]
-    if options.grouping:
-        candidates = grouped_to_budget(list(scores.split(lengths)), options.ratio, engine.config.window,
-                                       engine.config.threshold, options.exact_budget)
-    else:
-        candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
-    t1 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, options.shared_prefix)
-    t2 = _now(engine, options)
-    positions = engine.positions_of(plan, candidates)
-    logits = engine.recompute_and_answer(cache, plan, positions)
-    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
-    return Prefill(cache, logits, positions, timings)
-
-
-def _timed(fn: Callable, *args):
-    t0 = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - t0
-
-
-PREFILLS: dict[str, Callable[[Engine, Plan, RequestOptions], Prefill]] = {
-    "full": _prefill_full,
-    "direct": _prefill_direct,
-    "shared_prefix": _prefill_shared_prefix,
-    "ape": _prefill_ape,
-    "cacheblend": _prefill_cacheblend,
-    "cacheclip": _prefill_cacheclip,
-    "oracle": _prefill_oracle,
-}

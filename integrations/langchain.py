@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 try:
@@ -44,47 +44,55 @@ from .embeddings import minilm_path, warn_beyond_window
 
 class CacheClipFAISS(FAISS):
     """FAISS that precomputes and stores each inserted text's KV; pass `kv_engine=` when building it
-    (also to `from_texts`, `from_documents` and `load_local`)."""
+    (also to `from_texts`, `from_documents` and `load_local`). `delete(ids=...)` removes the documents
+    and releases their chunk caches (a cache another document shares stays)."""
 
     def __init__(self, *args: Any, kv_engine: Engine, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.kv_engine = kv_engine
 
     @staticmethod
-    def _with_keys(engine: Engine, texts: list[str], metadatas: Iterable[dict] | None) -> list[dict]:
+    def _with_keys(engine: Engine, texts: list[str], metadatas: Iterable[dict] | None,
+                   ids: list[str] | None) -> tuple[list[dict], list[str]]:
+        """Metadata carrying each text's KV key, and the ids the documents get (made here when none are
+        given, so each document is registered as a user of its caches under the id FAISS keeps)."""
         keys = engine.ingest(texts, progress=len(texts) > 8) if texts else []
         metas = list(metadatas) if metadatas is not None else [{} for _ in texts]
-        return [{**(m or {}), KV_KEY: k.hex()} for m, k in zip(metas, keys)]
+        ids = list(ids) if ids is not None else [str(uuid.uuid4()) for _ in texts]
+        for owner, text in zip(ids, texts):
+            engine.retain(owner, text)
+        return [{**(m or {}), KV_KEY: k.hex()} for m, k in zip(metas, keys)], ids
 
     def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, ids: list[str] | None = None,
                   **kwargs: Any) -> list[str]:
         texts = list(texts)
-        return super().add_texts(texts, self._with_keys(self.kv_engine, texts, metadatas), ids=ids, **kwargs)
+        metas, ids = self._with_keys(self.kv_engine, texts, metadatas, ids)
+        return super().add_texts(texts, metas, ids=ids, **kwargs)
 
     async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None,
                          ids: list[str] | None = None, **kwargs: Any) -> list[str]:
         texts = list(texts)  # FAISS's async route embeds and inserts without add_texts
-        metas = await asyncio.to_thread(self._with_keys, self.kv_engine, texts, metadatas)
+        metas, ids = await asyncio.to_thread(self._with_keys, self.kv_engine, texts, metadatas, ids)
         return await super().aadd_texts(texts, metas, ids=ids, **kwargs)
 
     @classmethod
     async def afrom_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None,
                           ids: list[str] | None = None, *, kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
         texts = list(texts)
-        metas = await asyncio.to_thread(cls._with_keys, kv_engine, texts, metadatas)
+        metas, ids = await asyncio.to_thread(cls._with_keys, kv_engine, texts, metadatas, ids)
         return await super().afrom_texts(texts, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
 
     def add_embeddings(self, text_embeddings: Iterable[tuple[str, list[float]]], metadatas: list[dict] | None = None,
                        ids: list[str] | None = None, **kwargs: Any) -> list[str]:
         pairs = list(text_embeddings)
-        metas = self._with_keys(self.kv_engine, [t for t, _ in pairs], metadatas)
+        metas, ids = self._with_keys(self.kv_engine, [t for t, _ in pairs], metadatas, ids)
         return super().add_embeddings(pairs, metas, ids=ids, **kwargs)
 
     @classmethod
     def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None,
                    ids: list[str] | None = None, *, kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
         texts = list(texts)
-        metas = cls._with_keys(kv_engine, texts, metadatas)
+        metas, ids = cls._with_keys(kv_engine, texts, metadatas, ids)
         return super().from_texts(texts, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
 
     @classmethod
@@ -92,8 +100,17 @@ class CacheClipFAISS(FAISS):
                         metadatas: Iterable[dict] | None = None, ids: list[str] | None = None, *,
                         kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
         pairs = list(text_embeddings)
-        metas = cls._with_keys(kv_engine, [t for t, _ in pairs], metadatas)
+        metas, ids = cls._with_keys(kv_engine, [t for t, _ in pairs], metadatas, ids)
         return super().from_embeddings(pairs, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        deleted = super().delete(ids, **kwargs)
+        if ids:
+            self.kv_engine.release(ids)
+        return deleted
+
+    async def adelete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
+        return await asyncio.to_thread(self.delete, ids, **kwargs)
 
 
 def _texts(docs: Sequence[Document | str]) -> list[str]:

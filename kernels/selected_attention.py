@@ -24,6 +24,7 @@ How the kernel is laid out (FlashAttention-2 style, the Triton tutorial's struct
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -65,6 +66,16 @@ def selected_attention_reference(
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing outputs 0
     return torch.matmul(probs, v).transpose(1, 2).to(query.dtype)
+
+
+# Integer arguments that change with every request (row count, context length, tile count, strides):
+# Triton would otherwise specialise on each one's divisibility by 16 (and == 1) and compile anew for
+# most new shapes. Only the constexprs below select a compiled variant, and they take a few values.
+DO_NOT_SPECIALIZE = (
+    "stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+    "stride_vn", "stride_pb", "stride_pm", "stride_ob", "stride_om", "stride_oh",
+    "num_queries", "num_keys", "num_kv_heads", "num_tiles", "split_len", "num_splits", "window",
+)
 
 
 if triton is not None:
@@ -117,7 +128,7 @@ if triton is not None:
             m_i = m_new
         return acc, m_i, l_i
 
-    @triton.jit
+    @triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
     def _selected_attention_fwd(
         Q, K, V, Pos, Out, Acc, Max, Sum,
         stride_qb, stride_qh, stride_qm,
@@ -125,10 +136,10 @@ if triton is not None:
         stride_vb, stride_vh, stride_vn,
         stride_pb, stride_pm,
         stride_ob, stride_om, stride_oh,
-        num_queries, num_keys, num_kv_heads, num_tiles, split_len,
+        num_queries, num_keys, num_kv_heads, num_tiles, split_len, num_splits,
         qk_scale, cap_scale, cap_out, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid_bh = tl.program_id(0)  # fastest: all kv heads of the heaviest tile go first
         tile = num_tiles - 1 - tl.program_id(1)
@@ -162,7 +173,7 @@ if triton is not None:
         b = tl.maximum(lo, full_lo)
         c = tl.maximum(b, full_hi)
         d = tl.maximum(c, hi)
-        if SPLITS > 1:
+        if num_splits > 1:
             s_lo = split * split_len
             s_hi = s_lo + split_len
             lo, b, c, d = tl.maximum(lo, s_lo), tl.minimum(tl.maximum(b, s_lo), s_hi), \
@@ -182,12 +193,12 @@ if triton is not None:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, pos, K_base, V_base, stride_kn, stride_vn, offs_d, offs_n,
                                 c, d, num_keys, qk_scale, cap_scale, cap_out, window,
                                 True, USE_SOFTCAP, USE_WINDOW, IEEE, BLOCK_N)
-        if SPLITS == 1:
+        if num_splits == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees nothing outputs 0
             tl.store(Out + batch * stride_ob + rows[:, None] * stride_om + heads[:, None] * stride_oh + offs_d[None, :],
                      out.to(Out.dtype.element_ty), mask=pair_ok[:, None])
         else:
-            # partials [SPLITS, B, Tq, H, (D)], contiguous; merged by _combine_splits
+            # partials [splits, B, Tq, H, (D)], contiguous; merged by _combine_splits
             batches = tl.num_programs(0) // num_kv_heads
             base = ((split * batches + batch) * num_queries + rows) * (num_kv_heads * GROUP) + heads
             tl.store(Max + base, m_i, mask=pair_ok)
@@ -220,6 +231,57 @@ def check_positions(positions: torch.Tensor, num_keys: int) -> None:
     if bool(bad):
         raise ValueError(f"positions must be sorted ascending per batch and within [0, {num_keys}); got "
                          f"min {int(positions.min())}, max {int(positions.max())}")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one call is launched: the grid, the runtime split of the keys, and the compile-time choices.
+    Only `constexprs`, `num_warps` and `num_stages` pick a compiled variant (the rest of the integers
+    are in `DO_NOT_SPECIALIZE`), so their few values bound the compiles a server ever makes."""
+
+    grid: tuple[int, int, int]
+    num_tiles: int
+    num_splits: int
+    split_len: int
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    @property
+    def variant(self) -> tuple:
+        return (tuple(sorted(self.constexprs.items())), self.num_warps, self.num_stages)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch_plan(b: int, h: int, kv: int, tq: int, n: int, d: int, dtype: torch.dtype, window: bool, softcap: bool,
+                multiprocessors: int = 0, block_m: int | None = None, block_n: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None,
+                num_splits: int | None = None) -> LaunchPlan:
+    """The launch of `selected_attention` for these sizes. The row tile shrinks for few rows to a
+    power of two (16..BLOCK_M: at most 4 sizes); keys are split at run time (no recompile) until the
+    grid covers the GPU twice (`multiprocessors`), keeping >= 4 key blocks a split."""
+    group = h // kv
+    tile_m, tile_n, warps, stages = TILES[d]
+    block_m = block_m or tile_m
+    block_n = block_n or tile_n
+    block_m = min(block_m, max(16, 1 << max(0, (tq * group - 1).bit_length())))
+    num_tiles = _cdiv(tq * group, block_m)
+    key_blocks = _cdiv(n, block_n)
+    if num_splits is None:
+        num_splits = 1
+        if multiprocessors:
+            programs = num_tiles * b * kv
+            num_splits = max(1, min(_cdiv(2 * multiprocessors, programs), key_blocks // 4))
+    num_splits = max(1, min(num_splits, key_blocks))
+    split_len = _cdiv(key_blocks, num_splits) * block_n
+    num_splits = _cdiv(n, split_len)
+    constexprs = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, USE_SOFTCAP=softcap,
+                      USE_WINDOW=window, IEEE=dtype == torch.float32)
+    return LaunchPlan((b * kv, num_tiles, num_splits), num_tiles, num_splits, split_len, constexprs,
+                      num_warps or warps, num_stages or stages)
 
 
 def selected_attention(
@@ -271,21 +333,10 @@ def selected_attention(
         positions = positions.to(torch.int32)
     if validate:
         check_positions(positions, n)
-    group = h // kv
-    tile_m, tile_n, warps, stages = TILES[d]
-    block_m = block_m or tile_m
-    block_n = block_n or tile_n
-    block_m = min(block_m, max(16, triton.next_power_of_2(tq * group)))
-    num_tiles = triton.cdiv(tq * group, block_m)
-    key_blocks = triton.cdiv(n, block_n)
-    if num_splits is None:
-        num_splits = 1
-        if query.is_cuda:  # split keys until the grid covers the GPU twice, keeping >= 4 blocks a split
-            programs = num_tiles * b * kv
-            num_splits = max(1, min(triton.cdiv(2 * _multiprocessors(query.device.index or 0), programs), key_blocks // 4))
-    num_splits = max(1, min(num_splits, key_blocks))
-    split_len = triton.cdiv(key_blocks, num_splits) * block_n
-    num_splits = triton.cdiv(n, split_len)
+    plan = launch_plan(b, h, kv, tq, n, d, query.dtype, sliding_window is not None, softcap is not None,
+                       _multiprocessors(query.device.index or 0) if query.is_cuda else 0,
+                       block_m, block_n, num_warps, num_stages, num_splits)
+    num_splits = plan.num_splits
     if num_splits > 1:
         acc = torch.empty((num_splits, b, tq, h, d), dtype=torch.float32, device=query.device)
         maxes = torch.empty((num_splits, b, tq, h), dtype=torch.float32, device=query.device)
@@ -293,22 +344,19 @@ def selected_attention(
     else:
         acc = maxes = sums = out  # unused
     use_cap = softcap is not None
-    grid = (b * kv, num_tiles, num_splits)
-    _selected_attention_fwd[grid](
+    _selected_attention_fwd[plan.grid](
         query, key, value, positions, out, acc, maxes, sums,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         positions.stride(0), positions.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        tq, n, kv, num_tiles, split_len,
+        tq, n, kv, plan.num_tiles, plan.split_len, num_splits,
         float(scaling) * LOG2E,
         float(scaling) / float(softcap) * 2.0 * LOG2E if use_cap else 1.0,
         float(softcap) * LOG2E if use_cap else 1.0,
         int(sliding_window or 0),
-        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=num_splits,
-        USE_SOFTCAP=use_cap, USE_WINDOW=sliding_window is not None, IEEE=query.dtype == torch.float32,
-        num_warps=num_warps or warps, num_stages=num_stages or stages,
+        **plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if num_splits > 1:
         # partial maxes are in base 2 and include the scale; sums match them

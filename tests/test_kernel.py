@@ -17,6 +17,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
 
 
+def on_device(lm):
+    """The tiny model where the kernel runs: compiled on CUDA (a CPU model under a CUDA kernel fails
+    as "cpu tensor?", which says nothing about the kernel), interpreted on a CPU machine."""
+    lm.model.to(DEVICE)
+    return lm
+
+
 def sorted_positions(batch, rows, length, generator):
     return torch.stack([torch.randperm(length, generator=generator)[:rows].sort().values for _ in range(batch)])
 
@@ -174,7 +181,7 @@ def test_no_position_mask_is_built_under_the_kernel(make_engine, monkeypatch):
     from cacheclip_rag.testing import tiny_model
     from tests.conftest import CHUNKS, QUESTION
 
-    engine = make_engine(tiny_model("llama"))
+    engine = make_engine(on_device(tiny_model("llama")))
     calls = []
     engine.kernel = lambda *a, **k: calls.append(1) or selected_attention(*a, **k)
     engine.ingest(CHUNKS, progress=False)
@@ -192,7 +199,7 @@ def test_kernel_in_the_recompute_path_matches_sdpa(arch, make_engine):
     from cacheclip_rag.testing import tiny_model
     from tests.conftest import CHUNKS, QUESTION
 
-    engine = make_engine(tiny_model(arch))
+    engine = make_engine(on_device(tiny_model(arch)))
     opts = RequestOptions(method="cacheclip", ratio=0.4, max_new_tokens=1)
     plain = engine.generate(QUESTION, CHUNKS, opts)
     engine.kernel = selected_attention

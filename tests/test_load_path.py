@@ -9,7 +9,6 @@ import torch
 from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.store import (FP8, ChunkEntry, LMDBStore, as_stored, decode_entry, encode_entry, entry)
-from cacheclip_rag.store import codec
 from cacheclip_rag.testing import tiny_model
 from cacheclip_rag.tier import HostTier
 from tests.conftest import CHUNKS, QUESTION, forked, max_diff

@@ -3,7 +3,7 @@ upkeep in `maintenance`), per-request read tallies (`tally`) and the protocol ev
 follows (`protocol`)."""
 
 from .entry import (FORMAT_VERSION, FP8, FP8_MAX, STORE_DTYPES, ChunkEntry, CorruptEntryError, EntryView, StoreError,
-                    StoreFullError, _checksum, as_stored, decode_entry, encode_entry, entry_key, parse_entry,
+                    StoreFullError, StoreUnavailableError, _checksum, as_stored, decode_entry, encode_entry, entry_key, parse_entry,
                     quantize_fp8, verify_entry)
 from .lmdb_store import LMDBStore
 from .protocol import KVStore, Slot, read_into_via_get
@@ -11,6 +11,6 @@ from .tally import ReadTally, record_read, tally_reads
 
 __all__ = [
     "FORMAT_VERSION", "FP8", "FP8_MAX", "STORE_DTYPES", "ChunkEntry", "CorruptEntryError", "EntryView", "KVStore",
-    "LMDBStore", "ReadTally", "Slot", "StoreError", "StoreFullError", "as_stored", "decode_entry", "encode_entry",
+    "LMDBStore", "ReadTally", "Slot", "StoreError", "StoreFullError", "StoreUnavailableError", "as_stored", "decode_entry", "encode_entry",
     "entry_key", "parse_entry", "quantize_fp8", "read_into_via_get", "record_read", "tally_reads", "verify_entry",
 ]

@@ -14,7 +14,6 @@ one copy, with no tensor of its own in between.
 from __future__ import annotations
 
 import warnings
-from functools import cache
 
 import numpy as np
 import torch
@@ -45,54 +44,39 @@ def _stored_bits(raw: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) ->
     return np.frombuffer(raw, dtype=_UINT_OF_SIZE[size]).reshape(shape)
 
 
-@cache
-def _fp8_table() -> np.ndarray:
-    """float32 value of each of the 256 e4m3fn codes: decoding is a numpy table lookup."""
-    return torch.arange(256, dtype=torch.uint8).view(FP8).float().numpy()
+# torch's CPU kernels run a range below this many elements inline, never on the OpenMP pool (ATen's
+# GRAIN_SIZE): dtype conversions are done in pieces of this size, with torch's vectorised cast loops
+# (several times numpy's) and no thread pool, so they stay fork-safe
+_SERIAL = 32768
 
 
-def _as_float32(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """A block of stored bit patterns as float32 (a new array)."""
-    if dtype == torch.float32:
-        return bits.view(np.float32).copy()
-    if dtype == torch.float16:
-        return bits.view(np.float16).astype(np.float32)
-    if dtype == torch.bfloat16:
-        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
-    raise TypeError(f"no float32 decode for {dtype}")
-
-
-def _write_float32(block: np.ndarray, dst: torch.Tensor) -> None:
-    """Store a float32 block into `dst` (a CPU view of the same shape), rounding to dst's dtype."""
-    if dst.dtype == torch.float32:
-        np.copyto(_bits(dst).view(np.float32), block)
-    elif dst.dtype == torch.float16:
-        np.copyto(_bits(dst).view(np.float16), block, casting="unsafe")
-    elif dst.dtype == torch.bfloat16:  # round to nearest even on the bit pattern (values are finite)
-        u = block.view(np.uint32)
-        np.copyto(_bits(dst), ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16))
-    else:
-        raise TypeError(f"cannot decode into {dst.dtype}")
+def _convert_serially(src: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """dst = src (converted; times `scale` per channel for float8), in pieces torch runs inline."""
+    layers, heads, tokens, dim = src.shape
+    rows = max(1, _SERIAL // dim)
+    for layer in range(layers):
+        for head in range(heads):
+            source, target = src[layer, head], dst[layer, head]  # [T, D], each contiguous
+            if scale is None:
+                for piece, out in zip(source.view(-1).split(rows * dim), target.view(-1).split(rows * dim)):
+                    out.copy_(piece)
+                continue
+            factor = scale[layer, head]  # [1, D]
+            for piece, out in zip(source.split(rows), target.split(rows)):
+                out.copy_(piece.float().mul_(factor))
 
 
 def _copy_cpu(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst: torch.Tensor,
               scale: memoryview | None) -> None:
-    bits = _stored_bits(raw, stored, shape)
     if stored == dst.dtype:
-        np.copyto(_bits(dst), bits)
-    elif stored == torch.float16 and dst.dtype == torch.float32:
-        np.copyto(_bits(dst).view(np.float32), bits.view(np.float16))
-    elif stored == torch.bfloat16 and dst.dtype == torch.float32:
-        np.left_shift(bits, 16, out=_bits(dst), dtype=np.uint32)
-    elif stored == FP8:
-        scales = np.frombuffer(scale, dtype=np.float32).reshape(shape[0], shape[1], 1, shape[3])
-        table = _fp8_table()
-        for layer in range(shape[0]):  # a layer at a time: the float32 temporary stays small
-            block = table[bits[layer]] * scales[layer]
-            _write_float32(block, dst[layer])
-    else:  # any other pair of dtypes goes through float32, a layer at a time
-        for layer in range(shape[0]):
-            _write_float32(_as_float32(bits[layer], stored), dst[layer])
+        np.copyto(_bits(dst), _stored_bits(raw, stored, shape))  # a memcpy
+        return
+    with warnings.catch_warnings():  # a read-only page: torch warns it is not writable; it is only read
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(raw, dtype=stored).view(shape) if len(raw) else torch.empty(shape, dtype=stored)
+        factor = None if stored != FP8 else torch.frombuffer(scale, dtype=torch.float32).view(
+            shape[0], shape[1], 1, shape[3])
+    _convert_serially(source, dst, factor)
 
 
 def copy_into(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst: torch.Tensor,
@@ -161,7 +145,7 @@ def _magnitude_max(bits: np.ndarray, mask: int) -> int:
 
 def check_values(keys: memoryview, values: memoryview, dtype: torch.dtype,
                  scales: tuple[memoryview, memoryview] | None = None) -> None:
-    """Finite, of plausible magnitude (|x| <= 1e5), keys not all zero; float8 scales positive and
+    """Finite, of plausible magnitude (|x| <= 1e5), keys and values not all zero; float8 scales positive and
     bounded so that no decoded value passes 1e5. One scan of the stored bytes, single-threaded numpy."""
     from .entry import CorruptEntryError  # the error type lives with the format
 
@@ -173,8 +157,8 @@ def check_values(keys: memoryview, values: memoryview, dtype: torch.dtype,
         top = _magnitude_max(np.frombuffer(raw, dtype=_UINT_OF_SIZE[size]), mask)
         if top > limit:
             raise CorruptEntryError(f"corrupted entry: {name} hold NaN, inf or values beyond {_MAX_ABS:g}")
-        if name == "keys" and top == 0:
-            raise CorruptEntryError("corrupted entry: keys are all zero")
+        if top == 0:  # no chunk's keys or values are all zero: a zeroed page is
+            raise CorruptEntryError(f"corrupted entry: {name} are all zero")
     for raw in scales or ():
         bits = np.frombuffer(raw, dtype=np.uint32)
         if bits.size and (int(bits.max()) > _SCALE_LIMIT or int(bits.min()) == 0):  # sign bit set: above the limit

@@ -51,6 +51,10 @@ class CorruptEntryError(StoreError):
     """An entry's bytes are damaged (header unreadable, checksum mismatch, impossible content)."""
 
 
+class StoreUnavailableError(StoreError):
+    """A shared store cannot be reached (server down, network, timeout)."""
+
+
 class StoreFullError(StoreError):
     """The store reached its size cap or the disk is full; the failed write left everything as it was."""
 
@@ -270,14 +274,35 @@ def _layout(header: dict, payload_bytes: int) -> tuple[torch.dtype, tuple[int, .
     return dtype, tuple(shape), tuple(ids), tuple(tuple(o) for o in offsets)
 
 
+def header_bytes(raw: memoryview | bytes) -> bytes:
+    """The encoded header alone (for a store's cheap "same bytes as before?" test); b"" if unreadable."""
+    view = memoryview(raw)
+    if len(view) < HEADER_LEN.size:
+        return b""
+    (head_len,) = HEADER_LEN.unpack(view[: HEADER_LEN.size])
+    return bytes(view[HEADER_LEN.size : HEADER_LEN.size + min(head_len, _MAX_HEADER)])
+
+
+def check_identity(view: EntryView, fingerprint: str | None, key: bytes | None) -> None:
+    """`StoreError` for an intact entry of another model; `CorruptEntryError` for one that records
+    another key than the one it is stored under."""
+    if view.header.get("version") >= 2 and key is not None and view.header.get("key") != key.hex():
+        raise CorruptEntryError(f"corrupted entry: it records key {str(view.header.get('key'))[:16]}..., not the key "
+                                f"it is stored under ({key.hex()[:16]}...)")
+    if fingerprint is not None and view.header.get("fingerprint") != fingerprint:
+        raise StoreError(
+            f"entry was written by model {view.header.get('fingerprint')}, not by the requested model {fingerprint}"
+        )
+
+
 def parse_entry(raw: memoryview | bytes, fingerprint: str | None = None, key: bytes | None = None,
-                checked: bool = False) -> EntryView:
+                checked: bool = False, scan_values: bool = True) -> EntryView:
     """The entry's header and payload, its layout checked against the payload (cheap, every read).
 
-    `checked=False` first runs `verify_entry` (checksum and values); a store passes True for bytes it
-    has verified before. `CorruptEntryError` for anything damaged or impossible, including an entry
-    whose recorded key is not `key`; `StoreError` for an intact entry of another model or of a format
-    version this library does not read."""
+    Unless `checked` (bytes the caller verified before) the checksum is checked first, and the values
+    scanned (`verify_entry`) unless `scan_values` is False. `CorruptEntryError` for anything damaged
+    or impossible, including an entry whose recorded key is not `key`; `StoreError` for an intact
+    entry of another model or of a format version this library does not read."""
     header, payload = split_entry(raw)
     if not checked and _checksum(header, payload) != header.get("checksum"):
         raise CorruptEntryError("corrupted entry: checksum mismatch")
@@ -285,16 +310,10 @@ def parse_entry(raw: memoryview | bytes, fingerprint: str | None = None, key: by
     if version not in READABLE_VERSIONS:
         raise StoreError(f"entry has format version {version!r}; this library reads versions "
                          f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild the store with `cacheclip ingest`)")
-    if version >= 2 and key is not None and header.get("key") != key.hex():
-        raise CorruptEntryError(f"corrupted entry: it records key {str(header.get('key'))[:16]}..., not the key "
-                                f"it is stored under ({key.hex()[:16]}...)")
-    if fingerprint is not None and header.get("fingerprint") != fingerprint:
-        raise StoreError(
-            f"entry was written by model {header.get('fingerprint')}, not by the requested model {fingerprint}"
-        )
     dtype, shape, token_ids, offsets = _layout(header, len(payload))
     view = EntryView(header, payload, dtype, shape, token_ids, offsets)  # type: ignore[arg-type]
-    if not checked:
+    check_identity(view, fingerprint, key)
+    if not checked and scan_values:
         check_values(view.key_bytes, view.value_bytes, view.dtype, view.scale_bytes)
     return view
 
@@ -311,5 +330,5 @@ def decode_entry(raw: memoryview | bytes, fingerprint: str, device: torch.device
 
 
 __all__ = ["FORMAT_VERSION", "STORE_DTYPES", "FP8", "ChunkEntry", "EntryView", "StoreError", "CorruptEntryError",
-           "StoreFullError", "quantize_fp8", "as_stored", "entry_key", "encode_entry", "parse_entry", "verify_entry",
+           "StoreFullError", "StoreUnavailableError", "quantize_fp8", "as_stored", "entry_key", "encode_entry", "parse_entry", "verify_entry",
            "decode_entry", "split_entry"]

@@ -2,74 +2,39 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-import shutil
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from .entry import ChunkEntry, CorruptEntryError, EntryView, StoreError, StoreFullError, encode_entry, parse_entry
+from .entry import (ChunkEntry, CorruptEntryError, EntryView, StoreError, StoreFullError, check_identity, encode_entry,
+                    header_bytes, parse_entry)
 from .maintenance import Maintenance
+from .opening import DISK_FULL, Opening, lmdb_module
+from .owners import Owners
 from .protocol import Slot, misfit
-from .tables import ACCESS, ENTRIES, LOCK_FILE, META, QUARANTINE, STAMP, TABLES
+from .tables import ACCESS, ENTRIES, META, QUARANTINE, STAMP
 from .tally import record_read
 
 log = logging.getLogger("cacheclip_rag.store")
 
-# How LMDB reports a write the filesystem refused (ENOSPC, EFBIG past a size limit, EDQUOT; a short
-# write at commit surfaces as EIO)
-_DISK_FULL = ("No space left", "File too large", "Disk quota", "Input/output error")
-_MARKER = b"cacheclip-store"
+_READER_CHECK_S = 5.0  # stale reader slots (killed processes) are cleared this often by writers (or every 32 writes)
 _VERIFIED_CAP = 1 << 20  # remembered verifications; past it the memory starts again (re-verifying is only slower)
 
 
-def _lmdb():
-    import lmdb  # imported where it is used: kernel-only runs (the GPU machine) need no lmdb wheel
+# resolved folder -> the store this process has open there (weakly held: an unreferenced store closes)
+_OPEN: weakref.WeakValueDictionary[str, LMDBStore] = weakref.WeakValueDictionary()
+_OPEN_LOCK = threading.RLock()
 
-    return lmdb
 
-
-class _SharedExclusiveLock:
-    """Many holders in shared mode or one in exclusive mode (threads of one process); a waiting
-    exclusive request stops new shared ones, so map growth is not starved by a stream of reads."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._waiting = 0
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive and not self._waiting)
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting += 1
-            self._cond.wait_for(lambda: not self._exclusive and not self._shared)
-            self._waiting -= 1
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
+def _folder_key(path: str | Path) -> str:
+    return str(Path(path).resolve())
 
 
 def _address(raw: memoryview) -> int:
@@ -79,7 +44,7 @@ def _address(raw: memoryview) -> int:
     return int(np.frombuffer(raw, dtype=np.uint8, count=min(len(raw), 1)).ctypes.data) if len(raw) else 0
 
 
-class LMDBStore(Maintenance):
+class LMDBStore(Opening, Maintenance, Owners):
     """The LMDB-backed `KVStore`.
 
     - Atomic: `put_many` commits all its items or none (LMDB transactions, synced to disk), so a
@@ -106,6 +71,8 @@ class LMDBStore(Maintenance):
       refused on open.
     - Speed: a read decodes from LMDB's zero-copy page view straight into the caller's tensors
       (`read_into`: the request's blended cache), converting dtype on the way: one copy.
+    - Owners: `retain(owner, keys, group)` and `release(owners | group)` delete an entry once the last
+      document that uses it is deleted (a framework's delete reaches the KV store).
     - Space: `evict(max_bytes)` drops least-recently-used entries; `compact()` rewrites the file
       without free pages, and refuses while another process has the store open (a file lock that
       every open store holds shared).
@@ -113,147 +80,49 @@ class LMDBStore(Maintenance):
       `readonly=True` works on read-only media (no lock file is written there).
     """
 
+    def __new__(cls, path: str | Path, map_size: int = 1 << 30, readonly: bool = False,
+                max_bytes: int | None = None):
+        """One open store per folder in a process (LMDB allows one environment per file per process):
+        opening a folder that is open already returns that store, counting one more handle."""
+        with _OPEN_LOCK:
+            store = _OPEN.get(_folder_key(path))
+            if store is not None and store._handles > 0:
+                # a writable store serves a read-only request too; the other way round it cannot
+                if (store.readonly and not readonly) or store.max_bytes != max_bytes:
+                    raise StoreError(f"{path} is open in this process already ({'read-only' if store.readonly else 'writable'}"
+                                     f", max_bytes={store.max_bytes}); open it with the same settings to share it")
+                store._handles += 1
+                return store
+        return super().__new__(cls)
+
     def __init__(self, path: str | Path, map_size: int = 1 << 30, readonly: bool = False,
                  max_bytes: int | None = None):
+        if getattr(self, "_handles", 0) > 0:
+            return  # a second handle on a store this process has open
         self.path = Path(path)
         self.readonly = readonly
         self.max_bytes = max_bytes
+        for name, value in (("map_size", map_size), ("max_bytes", max_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an integer number of bytes, got {value!r}")
+        if not 1 << 16 <= map_size < 1 << 50:
+            raise ValueError(f"map_size must be between 64 KiB and 1 PiB, got {map_size}")
         if max_bytes is not None and max_bytes < 1 << 20:
             raise ValueError(f"max_bytes must be at least 1 MiB, got {max_bytes}")
         self._map_size = min(map_size, max_bytes) if max_bytes else map_size
         if self.path.exists() and not self.path.is_dir():
             raise StoreError(f"{self.path} is a file, not a store directory")
         if not readonly:
-            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"cannot create the store folder {self.path}: {err.strerror}") from None
         elif not (self.path / "data.mdb").exists():
             raise StoreError(f"no store at {self.path}")
-        self._open()
-
-    # ---- opening -----------------------------------------------------------------------------
-
-    def _open(self) -> None:
-        self._pid = os.getpid()
-        self._lock = _SharedExclusiveLock()
-        self._verified: dict[bytes, tuple[int, int, str]] = {}  # key -> (address, length, checksum) verified
-        self._lockfile = self._hold_lock_file()
-        try:
-            self._open_env()
-        except BaseException:
-            self._release_lock_file()
-            raise
-
-    def _hold_lock_file(self) -> int | None:
-        """A shared flock held while the store is open; compaction needs it exclusively. Opening waits
-        while another process compacts (a few seconds at most)."""
-        try:
-            fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError:
-            if not self.readonly:
-                raise
-            return None  # read-only media: nobody can compact it either
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        return fd
-
-    def _release_lock_file(self) -> None:
-        if self._lockfile is not None:
-            os.close(self._lockfile)  # closing drops this process's flock
-            self._lockfile = None
-
-    def _open_env(self) -> None:
-        lmdb = _lmdb()
-        stale = self.path / "compact.tmp"
-        if stale.exists() and not self.readonly:  # a compaction killed midway; we hold the lock file,
-            shutil.rmtree(stale, ignore_errors=True)  # so none is running now
-        writable_lock = os.access(self.path, os.W_OK) and (
-            not (self.path / "lock.mdb").exists() or os.access(self.path / "lock.mdb", os.W_OK))
-        use_lock = not self.readonly or writable_lock
-        for _ in range(100):  # another process may grow the map while we open the file or its tables
-            try:
-                self._env = lmdb.open(
-                    str(self.path), map_size=self._map_size, subdir=True, readonly=self.readonly, lock=use_lock,
-                    max_readers=256, max_dbs=4, metasync=True, sync=True,
-                )
-                break
-            except lmdb.MapResizedError:  # a failed open leaves nothing open; try again
-                time.sleep(0.01)
-            except lmdb.Error as err:
-                raise StoreError(f"cannot open the store at {self.path}: {err}") from err
-        else:
-            raise StoreError(f"{self.path}: the map kept being resized by other processes")
-        self._verified.clear()  # a new map: addresses mean nothing now
-        if use_lock:
-            self._env.reader_check()  # slots of readers whose process died
-        self._check_not_truncated()
-        self._refuse_foreign()
-        create = not self.readonly
-        for _ in range(100):
-            try:
-                self._dbs = {name: self._env.open_db(name, create=create) if create or self._has_db(name) else None
-                             for name in TABLES}
-                break
-            except lmdb.MapResizedError:
-                self._env.set_mapsize(0)
-            except lmdb.Error as err:
-                self._env.close()
-                raise StoreError(f"{self.path} is not a cacheclip store ({err})") from err
-        else:
-            raise StoreError(f"{self.path}: the map kept being resized by other processes")
-        if self._dbs[ENTRIES] is None:
-            raise StoreError(f"{self.path} is not a cacheclip store (no entries table)")
-        if create:
-            with self._transaction(write=True) as txn:
-                txn.put(b"format", _MARKER, db=self._dbs[META], overwrite=False)
-
-    def _refuse_foreign(self) -> None:
-        """An existing LMDB whose main table names anything but our four tables is another program's:
-        refuse it before a single table is added to it (opening the environment wrote nothing to it).
-        Read through this environment: a second one on the same files in one process would drop
-        LMDB's per-process file locks when closed."""
-        lmdb = _lmdb()
-        for _ in range(100):
-            try:
-                with self._env.begin() as txn:
-                    names = {bytes(k) for k in txn.cursor().iternext(keys=True, values=False)}
-                break
-            except lmdb.MapResizedError:
-                self._env.set_mapsize(0)
-        else:
-            self._env.close()
-            raise StoreError(f"{self.path}: the map kept being resized by other processes")
-        foreign = names - set(TABLES)
-        if foreign:
-            self._env.close()
-            shown = ", ".join(sorted(n.decode("utf-8", "replace") for n in foreign)[:5])
-            raise StoreError(f"{self.path} holds another program's LMDB database (keys: {shown}); "
-                             "it is not a cacheclip store and was left untouched")
-
-    def _check_not_truncated(self) -> None:
-        """Pages past the end of the file would be a SIGBUS on first touch: refuse the file instead."""
-        info, psize = self._env.info(), self._env.stat()["psize"]
-        needed = (info["last_pgno"] + 1) * psize
-        size = (self.path / "data.mdb").stat().st_size
-        if size < needed:
-            self._env.close()
-            raise StoreError(f"{self.path / 'data.mdb'} is truncated: {size:,} bytes, but its last committed "
-                             f"page ends at {needed:,}. Restore it from a copy, or move it away to start empty.")
-
-    def _has_db(self, name: bytes) -> bool:
-        with self._env.begin() as txn:  # MapResizedError here is retried by the caller's loop
-            return txn.get(name) is not None
-
-    @property
-    def env(self):
-        """This process's environment (reopened after a fork: LMDB handles must not cross one)."""
-        if os.getpid() != self._pid:
-            # The parent's handle must not be used here. Closing it in the child only unmaps the file
-            # and forgets it (LMDB clears reader slots of this pid only, and fcntl locks are not
-            # inherited), which lets this process open its own environment on the same files. The
-            # inherited lock-file descriptor shares the parent's flock: keep it open (closing it here
-            # would not release the parent's lock, and the child takes its own).
-            self._env.close()
-            self._lockfile = None
+        with _OPEN_LOCK:
             self._open()
-        return self._env
+            self._handles = 1
+            _OPEN[_folder_key(self.path)] = self
 
     def __enter__(self) -> LMDBStore:
         return self
@@ -262,6 +131,15 @@ class LMDBStore(Maintenance):
         self.close()
 
     def close(self) -> None:
+        """Close this handle; the environment closes with the last handle of the process."""
+        with _OPEN_LOCK:
+            if self._handles <= 0:
+                return
+            self._handles -= 1
+            if self._handles:
+                return
+            if _OPEN.get(_folder_key(self.path)) is self:
+                del _OPEN[_folder_key(self.path)]
         with self._lock.exclusive():
             self._env.close()
         self._release_lock_file()
@@ -272,8 +150,14 @@ class LMDBStore(Maintenance):
     def _transaction(self, write: bool = False) -> Iterator:
         """A transaction, committed on success; a map grown by another process is adopted first, and
         a reader table full of dead processes' slots is cleared."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         env = self.env
+        self._writes += write
+        if write and (self._writes % 32 == 0 or time.monotonic() - self._readers_checked > _READER_CHECK_S):
+            # a killed reader's slot pins its snapshot: pages freed since cannot be reused and the file
+            # grows; clear such slots now and then, not only on open or when the table fills
+            self._readers_checked = time.monotonic()
+            env.reader_check()
         for _ in range(100):
             with self._lock.shared():
                 try:
@@ -299,18 +183,19 @@ class LMDBStore(Maintenance):
     # ---- reads -------------------------------------------------------------------------------
 
     def _view(self, key: bytes, raw: memoryview, fingerprint: str) -> EntryView:
-        """The parsed entry; its checksum and values are checked only if these bytes were not before."""
-        address = _address(raw)
+        """The parsed entry. Bytes verified before in this process (the same place in the map, the same
+        length, the same header) are not hashed or scanned again, nor is their header parsed again:
+        LMDB writes a changed entry elsewhere (copy on write), so those are the bytes that were checked."""
+        address, head = _address(raw), header_bytes(raw)
         seen = self._verified.get(key)
-        fresh = seen is None or seen[0] != address or seen[1] != len(raw)
-        view = parse_entry(raw, fingerprint, key, checked=not fresh)
-        if not fresh and view.checksum != seen[2]:  # other bytes at the same place: check them
-            view = parse_entry(raw, fingerprint, key)
-            fresh = True
-        if fresh:
-            if len(self._verified) >= _VERIFIED_CAP:
-                self._verified.clear()
-            self._verified[key] = (address, len(raw), view.checksum)
+        if seen is not None and seen[0] == address and seen[1] == len(raw) and seen[2] == head:
+            view = replace(seen[3], payload=memoryview(raw)[8 + len(head):])  # past the length and the header
+            check_identity(view, fingerprint, key)
+            return view
+        view = parse_entry(raw, fingerprint, key)  # every check: checksum, layout, key, values
+        if len(self._verified) >= _VERIFIED_CAP:
+            self._verified.clear()
+        self._verified[key] = (address, len(raw), head, replace(view, payload=memoryview(b"")))  # no page kept
         return view
 
     def _read(self, keys: Sequence[bytes], fingerprint: str, use) -> list:
@@ -390,7 +275,7 @@ class LMDBStore(Maintenance):
                     old = txn.get(k, db=self._dbs[ACCESS])
                     size = STAMP.unpack(old)[1] if old is not None else 0
                     txn.put(k, STAMP.pack(now, size), db=self._dbs[ACCESS])
-        except (_lmdb().Error, StoreError) as err:
+        except (lmdb_module().Error, StoreError) as err:
             # access times are a hint for eviction: a full map or disk must never fail a read
             log.debug("store %s: access times not recorded (%s)", self.path, err)
 
@@ -401,7 +286,7 @@ class LMDBStore(Maintenance):
 
     def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
         """Write all items in one transaction: all are committed or none."""
-        lmdb = _lmdb()
+        lmdb = lmdb_module()
         if self.readonly:
             raise StoreError(f"store {self.path} is open read-only")
         encoded = [(k, encode_entry(f, e, k)) for k, f, e in items]
@@ -418,13 +303,13 @@ class LMDBStore(Maintenance):
             except lmdb.Error as err:
                 raise self._disk_error(err) from err
 
-    def _disk_error(self, err: Exception) -> Exception:
-        if any(cause in str(err) for cause in _DISK_FULL):
+    def _disk_error(self, err: Exception, done: str = "") -> Exception:
+        if any(cause in str(err) for cause in DISK_FULL):
             return StoreFullError(
-                f"writing to {self.path} failed ({err}): the disk is full (or failing). This write was "
+                f"writing to {self.path} failed ({done}{err}): the disk is full (or failing). This write was "
                 "rolled back; everything stored before is intact. Free space, then retry."
             )
-        return err
+        return StoreError(f"writing to {self.path} failed: {err}")
 
     def _grow(self, needed: int) -> None:
         with self._lock.exclusive():  # no transaction of this process may be open while the map moves
@@ -439,7 +324,7 @@ class LMDBStore(Maintenance):
             log.info("growing LMDB map %s from %d to %d bytes", self.path, size, new_size)
             try:
                 self.env.set_mapsize(new_size)
-            except _lmdb().Error as err:
+            except lmdb_module().Error as err:
                 raise StoreFullError(f"cannot grow {self.path} to {new_size:,} bytes: {err}") from err
             self._verified.clear()
 
@@ -449,17 +334,27 @@ class LMDBStore(Maintenance):
             keys = [bytes(k) for k in txn.cursor(db=self._dbs[ENTRIES]).iternext(keys=True, values=False)]
         return iter(keys)
 
-    def delete(self, keys: Iterable[bytes]) -> int:
-        """Remove entries; returns how many existed."""
+    def delete(self, keys: Iterable[bytes], batch: int = 64) -> int:
+        """Remove entries, `batch` per transaction (each reuses the pages the one before freed, so this
+        works on a full disk as long as the file holds free pages); returns how many existed. A write
+        the disk refuses is a `StoreFullError`; what was deleted before it stays deleted."""
+        lmdb = lmdb_module()
+        keys = list(keys)
         removed = 0
-        with self._transaction(write=True) as txn:
-            for k in keys:
-                removed += bool(txn.delete(k, db=self._dbs[ENTRIES]))
-                txn.delete(k, db=self._dbs[ACCESS])
-                self._verified.pop(k, None)
-        # LMDB reuses pages freed by a commit only after the next commit; make the space usable now
-        with self._transaction(write=True) as txn:
-            txn.put(b"last_delete", STAMP.pack(time.time(), removed), db=self._dbs[META])
+        try:
+            for at in range(0, len(keys), batch):
+                with self._transaction(write=True) as txn:
+                    for k in keys[at : at + batch]:
+                        removed += bool(txn.delete(k, db=self._dbs[ENTRIES]))
+                        txn.delete(k, db=self._dbs[ACCESS])
+                        self._verified.pop(k, None)
+        except lmdb.Error as err:
+            raise self._disk_error(err, f"deleted {removed} of {len(keys)} entries, then ") from err
+        try:  # LMDB reuses pages freed by a commit only after the next commit; make the space usable now
+            with self._transaction(write=True) as txn:
+                txn.put(b"last_delete", STAMP.pack(time.time(), removed), db=self._dbs[META])
+        except lmdb.Error as err:
+            log.debug("store %s: deletion mark not written (%s)", self.path, err)
         return removed
 
 

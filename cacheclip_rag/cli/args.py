@@ -1,0 +1,256 @@
+"""The command line's arguments and every check of them that needs no model: parsed and checked here
+with nothing heavy imported, so `--help` and each refusal of bad input answer in milliseconds."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from ..config import DTYPE_NAMES, METHODS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
+from ..sources import ModelSourceError, check_model_source
+
+DEMO_QUESTION_COUNT = 4
+EVAL_PROFILES = ("quick", "power", "sweep", "ablations", "full")
+
+
+def fail(message: str) -> None:
+    raise SystemExit(message)
+
+
+def index_dir(args: argparse.Namespace) -> Path:
+    from ..embedded import cache_dir
+
+    return Path(args.index) if args.index else cache_dir() / "index"
+
+
+def check_models(args: argparse.Namespace) -> None:
+    """The primary and the aux: embedded names, or folders and files that hold a causal LM."""
+    for role in ("primary", "aux"):
+        source = getattr(args, role)
+        if role == "aux" and str(source).lower() == "none":
+            continue
+        try:
+            check_model_source(source, f"--{role}")
+        except ModelSourceError as err:
+            fail(str(err))
+
+
+def check_devices(args: argparse.Namespace) -> None:
+    for flag in ("device", "aux_device"):
+        device = getattr(args, flag)
+        if device.startswith("cuda"):
+            import torch  # only for a CUDA request: the question needs torch anyway
+
+            if not torch.cuda.is_available():
+                fail(f"--{flag.replace('_', '-')} {device}: no CUDA device is available here")
+        elif device not in ("cpu", "mps", "meta") and not device.startswith(("xpu", "mps:")):
+            fail(f"--{flag.replace('_', '-')} {device!r}: not a device (cpu, cuda, cuda:N)")
+
+
+def _check_ratio(ratio: float) -> None:
+    if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
+        fail(f"--ratio must be in [0, 1], got {ratio}")
+
+
+def check_demo(args: argparse.Namespace) -> None:
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        fail(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    _check_ratio(args.ratio)
+    if not 1 <= args.questions <= DEMO_QUESTION_COUNT:
+        fail(f"--questions must be in [1, {DEMO_QUESTION_COUNT}], got {args.questions}")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_devices(args)
+    check_models(args)
+
+
+def check_ingest(args: argparse.Namespace) -> None:
+    if args.chunk_size < 16:
+        fail(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
+    for path in args.paths:
+        if not Path(path).exists():
+            fail(f"no such file or folder: {path}")
+    if args.ray_workers < 1:
+        fail(f"--ray-workers must be >= 1, got {args.ray_workers}")
+    # the models are checked once the files are read (`documents.ingest`): a bad file is named first
+
+
+def check_query(args: argparse.Namespace) -> None:
+    """Everything a query can get wrong, before ~30 s of model loading."""
+    if not args.question.strip():
+        fail("the question is empty")
+    _check_ratio(args.ratio)
+    if args.top_k < 1:
+        fail(f"--top-k must be >= 1, got {args.top_k}")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_devices(args)
+    if args.chunk_files is not None:
+        if not args.chunk_files:
+            fail("--chunk-files needs at least one file")
+        for name in args.chunk_files:
+            if not Path(name).is_file():
+                fail(f"no such file: {name}")
+    elif not (index_dir(args) / "docstore.json").exists():
+        fail(f"no index at {index_dir(args)}: build one with `cacheclip ingest DOCS"
+             f"{' --index ' + args.index if args.index else ''}`, or pass --chunk-files")
+    check_models(args)
+
+
+def store_path(args: argparse.Namespace) -> Path:
+    return Path(args.store) if args.store else Path(EngineConfig.__dataclass_fields__["store_path"].default_factory())
+
+
+def check_store(args: argparse.Namespace) -> None:
+    """verify / evict / compact / inspect: an existing store, a budget that is a size."""
+    path = store_path(args)
+    if not (path / "data.mdb").is_file():
+        fail(f"no store at {path}")  # never create an empty one under a mistyped path
+    if args.command == "evict" and args.max_bytes < 0:
+        fail(f"--max-bytes must be >= 0, got {args.max_bytes}")
+
+
+def check_eval(args: argparse.Namespace) -> None:
+    """The profile's settings, before the models load (the models themselves are checked as they load:
+    a run's records say which were used)."""
+    from ..evaluation.profiles import VARIANTS
+
+    if args.variants:
+        unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+        if unknown:
+            fail(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.limit_minutes is not None and not args.limit_minutes >= 0:
+        fail(f"--limit-minutes must be >= 0 (0 runs one sample), got {args.limit_minutes}")
+    for name in ("ratios", "lengths", "samples"):
+        value = getattr(args, name)
+        try:
+            numbers = [float(x) for x in value.split(",")] if value else []
+        except ValueError:
+            fail(f"--{name} takes comma-separated numbers, got {value!r}")
+        if name == "ratios" and any(not 0 <= r <= 1 for r in numbers):
+            fail(f"--ratios must each be in [0, 1], got {value}")
+        if name != "ratios" and any(n < 1 or n != int(n) for n in numbers):
+            fail(f"--{name} must be positive integers, got {value}")
+
+
+def check_bench(args: argparse.Namespace) -> None:
+    script = Path(__file__).resolve().parents[2] / "bench" / f"bench_{args.name}.py"
+    if not script.exists():
+        fail(f"no benchmark {script}: benchmarks live in the source checkout's bench/ folder")
+
+
+def check_nothing(args: argparse.Namespace) -> None:
+    return None
+
+
+# command -> (the check run first, with nothing heavy imported; "module:function" that does the work)
+COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
+    "demo": (check_demo, "demo:run"),
+    "ingest": (check_ingest, "documents:ingest"),
+    "query": (check_query, "documents:query"),
+    "inspect": (check_store, "maintain:inspect"),
+    "verify": (check_store, "maintain:maintain"),
+    "evict": (check_store, "maintain:maintain"),
+    "compact": (check_store, "maintain:maintain"),
+    "eval": (check_eval, "evaluate:run"),
+    "bench": (check_bench, "evaluate:bench"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import __doc__ as description
+
+    p = argparse.ArgumentParser(prog="cacheclip", description=description)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    defaults = EngineConfig.__dataclass_fields__
+
+    def with_models(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument("--primary", default=defaults["primary"].default,
+                        help="embedded name, a local Hugging Face model folder, or a .gguf file")
+        sp.add_argument("--aux", default=defaults["aux"].default, help="the selector model (same forms), or none")
+        sp.add_argument("--device", default="cpu")
+        sp.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
+                        help="auto: bfloat16 on CUDA, float32 on CPU")
+        sp.add_argument("--store-dtype", default="auto", choices=("auto", *STORE_DTYPE_NAMES),
+                        help="how chunk caches are stored: auto = the model's dtype on CUDA, float16 on CPU; "
+                        "float8_e4m3fn = one byte an element with a scale per channel")
+        sp.add_argument("--aux-device", default="cpu")
+        sp.add_argument("--store", default=None, help="LMDB directory (default: user cache) or a redis:// URL")
+        sp.add_argument("--shared-store", default=None, help="redis:// URL of a tier shared by machines, behind "
+                        "the local --store")
+        return sp
+
+    demo = with_models(sub.add_parser("demo", help="ingest the bundled handbook and compare methods"))
+    demo.add_argument("--methods", default=",".join(METHODS))
+    demo.add_argument("--ratio", type=float, default=0.2)
+    demo.add_argument("--questions", type=int, default=DEMO_QUESTION_COUNT)
+    demo.add_argument("--max-new-tokens", type=int, default=16)
+
+    ingest = with_models(sub.add_parser("ingest", help="files or folders (.md/.txt) -> FAISS index + KV store"))
+    ingest.add_argument("paths", nargs="+")
+    ingest.add_argument("--index", default=None, help="index directory (default: user cache)")
+    ingest.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                        help="compute the chunks' KV on Ray workers (a local cluster, or the one at ADDRESS)")
+    ingest.add_argument("--ray-workers", type=int, default=2)
+    ingest.add_argument("--chunk-size", type=int, default=256,
+                        help="split sections longer than this many tokens (default 256: MiniLM's window)")
+
+    query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))
+    query.add_argument("question")
+    query.add_argument("--chunk-files", nargs="*", help="answer over these files (default: the ingested index)")
+    query.add_argument("--index", default=None, help="index directory written by `ingest`")
+    query.add_argument("--top-k", type=int, default=4)
+    query.add_argument("--method", default="cacheclip", choices=METHODS)
+    query.add_argument("--ratio", type=float, default=0.2)
+    query.add_argument("--max-new-tokens", type=int, default=32)
+
+    evaluate = with_models(sub.add_parser("eval", help="RULER retrieval, fidelity and alignment evaluation"))
+    evaluate.add_argument("--profile", default="quick", choices=EVAL_PROFILES)
+    evaluate.add_argument("--tasks", default=None, help="comma-separated subset of the RULER tasks")
+    evaluate.add_argument("--lengths", default=None, help="comma-separated context lengths in tokens")
+    evaluate.add_argument("--ratios", default=None, help="comma-separated recompute ratios")
+    evaluate.add_argument("--variants", default=None, help="comma-separated methods and ablations")
+    evaluate.add_argument("--samples", default=None, help="samples per task: one count, or one per length (25,13)")
+    evaluate.add_argument("--alignment-samples", type=int, default=None, help="prose samples per alignment length")
+    evaluate.add_argument("--report-only", action="store_true", help="write the report of the samples --out holds")
+    evaluate.add_argument("--limit-minutes", type=float, default=None,
+                          help="start no new sample after this long (0: run one sample); rerun the same "
+                               "command to resume")
+    evaluate.add_argument("--alignment-lengths", default=None, help="context lengths of the alignment study")
+    evaluate.add_argument("--merge", action="append", metavar="DIR",
+                          help="another run folder over the same samples (e.g. the power run for --profile sweep) "
+                               "whose records join the report; repeatable")
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--out", default="eval-results", help="run folder: records.jsonl is appended as samples "
+                          "finish, and a rerun resumes it")
+
+    bench = sub.add_parser("bench", help="run a benchmark script: reuse, methods, kernel, transfer, ...")
+    bench.add_argument("name")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    for name, text in (("verify", "check every entry's checksum; quarantine damaged ones"),
+                       ("evict", "drop least-recently-used entries down to --max-bytes"),
+                       ("compact", "rewrite the store file without free pages (no other process may use it)")):
+        maintain = sub.add_parser(name, help=text)
+        maintain.add_argument("--store", default=None)
+        if name == "evict":
+            maintain.add_argument("--max-bytes", type=int, required=True)
+
+    inspect = sub.add_parser("inspect", help="store statistics: entries, bytes, models")
+    inspect.add_argument("--store", default=None)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    overrides = {"primary": args.primary, "aux": None if str(args.aux).lower() == "none" else args.aux,
+                 "device": args.device, "aux_device": args.aux_device, "dtype": args.dtype,
+                 "store_dtype": args.store_dtype}
+    if args.store:
+        overrides["store_path"] = args.store if is_redis_url(args.store) else Path(args.store)
+    if getattr(args, "shared_store", None):
+        overrides["shared_store"] = args.shared_store
+    return EngineConfig(**overrides)

@@ -1,0 +1,201 @@
+"""`cacheclip ingest` and `cacheclip query`: files through LlamaIndex's reader and splitters into a FAISS
+index (MiniLM embeddings) plus each chunk's KV in the store, and answers over what the index retrieves."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import EngineConfig, RequestOptions
+from .args import check_devices, check_models, engine_config, index_dir
+
+if TYPE_CHECKING:
+    from llama_index.core.schema import Document, TextNode
+
+
+TEXT_SUFFIXES = (".md", ".txt")
+
+
+def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> list[Document]:
+    """LlamaIndex's SimpleDirectoryReader over each path (a folder recursively, hidden files skipped), one
+    Document per file with its name as `file` metadata. Decoding is strict: a file that is not UTF-8,
+    is binary or is empty stops here, named, before any model loads; no file is skipped in silence."""
+    from llama_index.core import SimpleDirectoryReader
+
+    # a file is named by its resolved path: `ingest d/x.md` then `ingest d/` must see one file, not two
+    settings = {"file_metadata": lambda name: {"file": str(Path(name).resolve())}, "filename_as_id": True, "encoding": "utf-8",
+                "errors": "strict", "raise_on_error": True}
+    documents: list[Document] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise SystemExit(f"no such file or folder: {path}")
+        if path.is_dir():
+            try:
+                reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()),
+                                               **settings)
+            except ValueError:  # the reader's "No files found": nothing of ours in this folder
+                continue
+        else:
+            reader = SimpleDirectoryReader(input_files=[str(path)], **settings)
+        for file in sorted(reader.input_files):
+            documents.extend(_checked(file, reader))
+    return documents
+
+
+def _checked(file: Path, reader: Any) -> list[Document]:
+    """One file through the reader's own settings, its failure named."""
+    try:
+        loaded = reader.load_file(file, reader.file_metadata, reader.file_extractor, reader.filename_as_id,
+                                  reader.encoding, reader.errors, reader.raise_on_error)
+    except Exception as err:  # the reader wraps what it meets; the cause names the problem
+        cause = err if isinstance(err, UnicodeDecodeError) else err.__cause__ or err
+        if isinstance(cause, UnicodeDecodeError):
+            raise SystemExit(f"{file}: not UTF-8 text (byte {cause.start}); convert it or leave it out") from None
+        raise SystemExit(f"{file}: cannot be read ({cause})") from None
+    text = "".join(doc.text for doc in loaded)
+    if "\x00" in text:
+        raise SystemExit(f"{file}: binary data (NUL bytes), not text")
+    if not text.strip():
+        raise SystemExit(f"{file}: empty")
+    return loaded
+
+
+def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNode]:
+    """The files under `paths` as LlamaIndex nodes: markdown files split at their headings by
+    MarkdownNodeParser (text before the first heading is a node of its own: nothing is dropped), then
+    every node longer than `chunk_size` tokens of the MiniLM embedder split by SentenceSplitter (so no
+    chunk is cut short by the embedder's 256-token window). Node ids hash the file and the text, so
+    ingesting a document again adds nothing."""
+    from llama_index.core.node_parser import MarkdownNodeParser, SentenceSplitter
+    from llama_index.core.schema import TextNode
+
+    headings, nodes = MarkdownNodeParser(include_prev_next_rel=False), []
+    for doc in _load_documents(paths):
+        if doc.metadata["file"].endswith(".md"):
+            nodes += headings([doc])
+        else:
+            nodes.append(TextNode(text=doc.text, metadata=dict(doc.metadata)))
+    if chunk_size is not None:
+        from ..integrations.embeddings import minilm_tokenizer
+
+        splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=min(20, chunk_size // 8),
+                                    tokenizer=minilm_tokenizer().tokenize, include_prev_next_rel=False)
+        nodes = splitter(nodes)
+    out = [n for n in nodes if n.get_content().strip()]
+    for node in out:
+        node.id_ = _node_id(node.metadata["file"], node.get_content())
+    return out
+
+
+@contextmanager
+def _index_lock(directory: Path) -> Iterator[None]:
+    """Serialise ingest runs into one index: the second waits, then adds to what the first wrote."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".ingest.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def ingest(args: argparse.Namespace) -> int:
+    """Files -> chunks -> FAISS index (MiniLM embeddings, LlamaIndex) + each chunk's KV in the store."""
+    from llama_index.core import StorageContext, VectorStoreIndex, load_index_from_storage
+
+    from ..integrations.llamaindex import (CacheClipVectorStore, MiniLMEmbedding, faiss_similarity_store, kv_texts,
+                                           load_faiss_store)
+
+    from ..engine import Engine
+
+    read = _read_nodes(args.paths, args.chunk_size)
+    if not read:
+        raise SystemExit("no .md or .txt text found")
+    check_devices(args)
+    check_models(args)
+    config = engine_config(args)
+    nodes = {node.node_id: node for node in read}  # ids hash file and text: a repeated chunk is one node
+    if args.ray is not None:  # the nodes' KV on Ray workers first (the very texts the index hook stores)
+        _ingest_on_ray(args, config, kv_texts(list(nodes.values())))
+    engine = Engine.from_config(config)
+    directory = index_dir(args)
+    with _index_lock(directory):
+        if (directory / "docstore.json").exists():
+            faiss_store = load_faiss_store(str(directory))
+            context = StorageContext.from_defaults(vector_store=CacheClipVectorStore(faiss_store, engine),
+                                                   persist_dir=str(directory))
+            index = load_index_from_storage(context, embed_model=MiniLMEmbedding())
+            new = [n for node_id, n in nodes.items() if not index.docstore.document_exists(node_id)]
+            index.insert_nodes(new, show_progress=True)
+        else:
+            new = list(nodes.values())
+            vector_store = CacheClipVectorStore(faiss_similarity_store(), engine)
+            index = VectorStoreIndex(new, storage_context=StorageContext.from_defaults(vector_store=vector_store),
+                                     embed_model=MiniLMEmbedding(), show_progress=True)
+        index.storage_context.persist(persist_dir=str(directory))
+    print(f"ingested {len(new)} new chunks ({len(nodes) - len(new)} already present): index {directory}, "
+          f"KV store {engine.store.path}")
+    return 0
+
+
+def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[str]) -> None:
+    from functools import partial
+
+    from ..distributed import ingest_on_ray
+    from ..engine import open_store
+    from ..models import load_model
+
+    store = partial(open_store, config.store_path, config.shared_store)
+    for name, device in ((config.primary, config.device), (config.aux, config.aux_device)):
+        if name is None:
+            continue
+        _, computed = ingest_on_ray(partial(load_model, name, device=device, dtype=config.dtype), store, texts,
+                                    config.system_prompt, workers=args.ray_workers, address=args.ray or None,
+                                    num_gpus=1 if device.startswith("cuda") else 0, store_dtype=config.store_dtype)
+        print(f"{name}: {computed} chunks computed on Ray", file=sys.stderr)
+
+
+def _node_id(file: str, chunk: str) -> str:
+    return hashlib.sha256(f"{file}\0{chunk}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def query(args: argparse.Namespace) -> int:
+    from ..engine import Engine
+
+    sources: list[tuple[str, float | None]] = []
+    if args.chunk_files is not None:
+        documents = _load_documents(args.chunk_files, suffixes=None)
+        chunks = [doc.text for doc in documents]
+        sources = [(doc.metadata["file"], None) for doc in documents]
+    engine = Engine.from_config(engine_config(args))
+    options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+    if args.chunk_files is None:
+        from llama_index.core import StorageContext, load_index_from_storage
+
+        from ..integrations.llamaindex import MiniLMEmbedding, load_faiss_store, node_text
+
+        directory = str(index_dir(args))
+        context = StorageContext.from_defaults(vector_store=load_faiss_store(directory),
+                                               persist_dir=directory)
+        index = load_index_from_storage(context, embed_model=MiniLMEmbedding())
+        nodes = index.as_retriever(similarity_top_k=args.top_k).retrieve(args.question)
+        chunks = [node_text(n.node) for n in nodes]
+        sources = [(n.node.metadata.get("file", "?"), n.score) for n in nodes]
+        print(f"retrieved {len(chunks)} chunks from {directory}", file=sys.stderr)
+    stream = engine.stream(args.question, chunks, options)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    assert stream.answer is not None
+    print("sources:")
+    for name, score in sources:
+        print(f"  {name}" + ("" if score is None else f"  (similarity {score:.3f})"))
+    timings = stream.answer.timings.as_dict()
+    store = {k: round(v, 4) for k, v in timings.pop("store").items()}
+    print({**{k: round(v, 4) for k, v in timings.items()}, "store": store}, file=sys.stderr)
+    return 0
+
+

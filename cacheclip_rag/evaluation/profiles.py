@@ -1,0 +1,103 @@
+"""What an evaluation run measures: the variants (a method and its options) and the named profiles
+(tasks, lengths, samples, ratios)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import ruler
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A method with its option overrides: the paper's methods and CacheClip's ablations."""
+
+    name: str
+    method: str
+    grouping: bool = True
+    shared_prefix: bool = True
+    exact_budget: bool = True
+    ape: tuple[float, float] | None = None  # (temperature, scale) for method "ape"; None: the defaults
+
+    @property
+    def uses_ratio(self) -> bool:
+        return self.method in ("cacheblend", "cacheclip", "oracle")
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("full", "full"),
+        Variant("direct", "direct"),
+        Variant("shared_prefix", "shared_prefix"),
+        Variant("ape", "ape"),  # APE_TEMPERATURE, APE_SCALE (config)
+        # tuned for Gemma 3 270M on held-out samples (seed 1000, one per task at 1K; not in any profile's
+        # seeds): first-token KL to full 0.31 at (0.5, 1.0) against 0.92 at (0.9, 0.9); see bench/RESULTS.md
+        Variant("ape_tuned", "ape", ape=(0.5, 1.0)),
+        Variant("cacheblend", "cacheblend"),
+        Variant("cacheclip", "cacheclip"),
+        Variant("oracle", "oracle"),  # the primary's own last-layer attention selects (not a ceiling)
+        Variant("cacheclip_nogroup", "cacheclip", grouping=False),  # ablation: no sliding-window grouping
+        Variant("cacheclip_noprefix", "cacheclip", shared_prefix=False),  # ablation: chunks computed alone
+        Variant("cacheclip_nominal", "cacheclip", exact_budget=False),  # the paper's nominal top-k budget
+    )
+}
+
+MAIN_VARIANTS = ("full", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    lengths: tuple[int, ...]
+    tasks: tuple[str, ...]
+    samples: int | tuple[int, ...]  # per task; one number, or one per length
+    ratios: tuple[float, ...]
+    variants: tuple[str, ...]
+    alignment_lengths: tuple[int, ...]
+    max_new_tokens: int = 32
+    headline_ratio: float = 0.2
+    alignment_samples: int = 1
+
+    def samples_at(self, length: int) -> int:
+        if isinstance(self.samples, int):
+            return self.samples
+        if len(self.samples) != len(self.lengths):
+            raise ValueError(f"samples {self.samples} must give one count per length {self.lengths}")
+        return self.samples[self.lengths.index(length)]
+
+
+PROFILES = {
+    # about 10 minutes on 2 CPU cores with the embedded Gemma 3 270M / SmolLM2-135M pair
+    "quick": Profile(
+        "quick", lengths=(1024,), tasks=ruler.TASKS, samples=1, ratios=(0.1, 0.2, 0.4),
+        variants=("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle"),
+        alignment_lengths=(1024,),
+    ),
+    # the paired comparison at the headline budget, with power: 104 samples at 2K (run first: the
+    # acceptance set), then 200 at 1K
+    "power": Profile(
+        "power", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.2,),
+        variants=MAIN_VARIANTS, alignment_lengths=(1024, 2048), alignment_samples=50,
+    ),
+    # the power run's companion for the score-vs-ratio curves: the budget-taking methods at the other
+    # ratios of the sweep over the same samples (the ratio-free baselines and ratio 0.2 come from the
+    # power run: report both together with `--merge`); about 2 minutes a 2K sample on 2 CPU cores
+    "sweep": Profile(
+        "sweep", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.3, 0.5),
+        variants=("full", "cacheblend", "cacheclip"), alignment_lengths=(), alignment_samples=0,
+    ),
+    # CacheClip's ablations and the other baselines at the headline budget, over the same samples
+    # (with `--merge` of the power run: each ablation paired against cacheclip @ 0.2)
+    "ablations": Profile(
+        "ablations", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.2,),
+        variants=("full", "direct", "oracle", "cacheclip_nogroup", "cacheclip_noprefix", "cacheclip_nominal"),
+        alignment_lengths=(), alignment_samples=0,
+    ),
+    # every method and ablation at every ratio in one folder (resumable; about 25 hours on 2 CPU cores;
+    # power + sweep + ablations cover its main methods at every ratio and the ablations at 0.2)
+    "full": Profile(
+        "full", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.2, 0.3, 0.5),
+        variants=tuple(VARIANTS), alignment_lengths=(1024, 2048), alignment_samples=50,
+    ),
+}

