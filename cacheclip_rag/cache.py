@@ -62,6 +62,7 @@ class BlendedCache(Cache):
         super().__init__(layers=[PositionedLayer(k, v, self, i) for i, (k, v) in enumerate(zip(keys, values))])
         # set while a layer-wise load is in flight: called with a layer's index before the layer is used
         self.wait_for_layer: Callable[[int], None] | None = None
+        self.from_store: torch.Tensor | None = None  # [capacity] bool: rows read from the store (blended caches)
         self.write_positions = torch.zeros(0, dtype=torch.long, device=keys[0].device)
         self.visible_length = 0
         # one [L, B, KV, N, D] buffer behind all layers (when built that way): a chunk's rows are placed

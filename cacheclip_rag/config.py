@@ -61,7 +61,7 @@ def check_text(name: str, value: str) -> None:
 class EngineConfig:
     """Which models, where the store lives, and the method's fixed parameters."""
 
-    primary: str = "gemma3-270m"
+    primary: str = "qwen2.5-coder-0.5b"
     aux: str | None = "smollm2-135m"
     store_path: Path | str = field(default_factory=lambda: cache_dir() / "store")  # LMDB folder, or a redis URL
     shared_store: str | None = None  # a redis URL: a shared tier behind the local LMDB store at store_path
@@ -109,8 +109,13 @@ class EngineConfig:
 
     @classmethod
     def embedded_default(cls, **overrides) -> EngineConfig:
-        """Gemma 3 270M primary with SmolLM2-135M aux: cross-family, different tokenizers."""
+        """Qwen2.5-Coder-0.5B-Instruct primary with SmolLM2-135M aux: cross-family, different tokenizers."""
         return cls(**overrides)
+
+    @classmethod
+    def gemma_base(cls, **overrides) -> EngineConfig:
+        """Gemma 3 270M (base) primary with SmolLM2-135M aux: the pair the RULER records were measured on."""
+        return cls(primary="gemma3-270m", **overrides)
 
     @classmethod
     def smollm2_only(cls, **overrides) -> EngineConfig:

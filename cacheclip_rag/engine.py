@@ -21,13 +21,14 @@ from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, check_text, is_redis_url
 from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
-from .ingest import (DIRECT, SHARED, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into, new_cache, precompute,
+from .ingest import (DIRECT, SHARED, FormattedPrefix, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into, new_cache, precompute,
                      storage_dtype, validate_chunks)
 from .layerwise import LayerStream, cuda_layer_stream, load_layerwise
 from .models import LoadedModel, int8_scorer, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys_
 from .methods import PREFILLS, side_stream
+from .recognize import Layout
 from .request import Answer, Plan, Prefill, Stream, Timings
 from .select import aux_scores, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
@@ -93,6 +94,7 @@ class Engine:
         if self.aux is not None:
             precompute(self.aux, self.store, texts, self.config.system_prompt, SHARED,
                        self.config.ingest_batch_size, progress, self.store_dtype(self.aux))
+        self.store.remember_texts(texts)  # a server finds these texts inside its clients' prompts
         return keys
 
     def chunk_keys(self, text: str, system_prompt: str | None = None) -> list[bytes]:
@@ -120,12 +122,12 @@ class Engine:
         """The dtype `lm`'s chunk caches are stored in (see `EngineConfig.store_dtype`)."""
         return storage_dtype(self.config.store_dtype, lm)
 
-    def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str,
-                system_prompt: str | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
-        """Stored entries for `texts` behind `system_prompt` (default the engine's); a miss is computed,
-        stored and used."""
+    def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str, system_prompt: object = None,
+                bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
+        """Stored entries for `texts` behind `system_prompt` (default the engine's; or a FormattedPrefix);
+        a miss is computed, stored and used."""
         return fetch_or_compute(lm, self.store, texts, variant, system_prompt or self.config.system_prompt,
-                                self.config.ingest_batch_size, self.store_dtype(lm))
+                                self.config.ingest_batch_size, self.store_dtype(lm), bare)
 
     # ---- request path ------------------------------------------------------------------------
 
@@ -158,16 +160,62 @@ class Engine:
         """Answer `question` over `texts`; iterate the result for text pieces as they decode."""
         options = options or RequestOptions()
         started = time.perf_counter()
-        plan, prefill = self.prefill(question, texts, options)
-        return self.decode(plan, prefill, options, started)
+        return self.stream_plan(self.plan(question, texts, options), options, started)
+
+    def stream_plan(self, plan: Plan, options: RequestOptions, started: float | None = None) -> Stream:
+        """Answer a planned request (`plan`, `plan_layout`); TTFT counts from `started` (default: now)."""
+        started = time.perf_counter() if started is None else started
+        return self.decode(plan, self.run_prefill(plan, options), options, started)
 
     def prefill(self, question: str, texts: Sequence[str], options: RequestOptions) -> tuple[Plan, Prefill]:
         """The request's prompt layout and its method's prefill (cache and first-token logits)."""
         plan = self.plan(question, texts, options)
+        return plan, self.run_prefill(plan, options)
+
+    def run_prefill(self, plan: Plan, options: RequestOptions) -> Prefill:
+        """The method's prefill of a planned request, its store reads tallied."""
         with tally_reads() as tally:
             prefill = PREFILLS[options.method](self, plan, options)
         prefill.timings.store = tally.as_dict()
-        return plan, prefill
+        stored = getattr(prefill.cache, "from_store", None)
+        if stored is not None:  # rows read from the store and not recomputed: the tokens this request reused
+            kept = stored.clone()
+            kept[prefill.recomputed_positions.cpu()] = False
+            prefill.reused_tokens = int(kept[: plan.length].sum())
+        return prefill
+
+    def plan_layout(self, layout: Layout, options: RequestOptions) -> Plan:
+        """The plan of a prompt a client wrote, as `recognize` found it: its text before the first stored
+        chunk is the shared prefix (chunks are cached behind it, once), each chunk is read from the
+        store (stored with the model's separator when the prompt has it after the chunk, else alone),
+        the text between chunks and after the last one is computed as the question is."""
+        validate_chunks(layout.chunks)
+        if len(layout.between) != len(layout.chunks):
+            raise ValueError(f"a layout needs the text after each of its {len(layout.chunks)} chunks")
+        lm = self.primary
+        separator = lm.prompt.chunk_separator
+        bare, gaps, chunk_ids, spans = [], [], [], []
+        afters = [*layout.between[:-1], layout.tail]  # the last chunk is followed by the rest of the prompt
+        for i, (text, after) in enumerate(zip(layout.chunks, afters)):
+            joined = bool(separator) and after.startswith(separator)  # then the stored unit ends with it
+            ids, offsets = lm.encode_with_offsets(chunk_unit(lm, text, not joined))
+            rest = after[len(separator):] if joined else after
+            bare.append(not joined)
+            chunk_ids.append(tuple(ids))
+            spans.append(tuple(offsets))
+            if i < len(afters) - 1:
+                gaps.append(tuple(lm.encode(rest)) if rest else ())
+            else:
+                gaps.append(())
+                tail = rest
+        plan = Plan(tuple(layout.chunks), tuple(lm.encode_prefix(layout.head)), tuple(chunk_ids), tuple(spans),
+                    tuple(lm.encode(tail)), layout.question, FormattedPrefix(layout.head), tuple(bare), tuple(gaps))
+        if not plan.question_ids:
+            raise ValueError("the prompt ends with a stored chunk: nothing follows it to answer")
+        if plan.length + options.max_new_tokens > lm.max_context:
+            raise ValueError(f"prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
+                             f"exceeds the model's context of {lm.max_context} tokens")
+        return plan
 
     def decode(self, plan: Plan, prefill: Prefill, options: RequestOptions, started: float | None = None) -> Stream:
         """Decode from a prefill; TTFT counts from `started` (default: now)."""
@@ -237,7 +285,7 @@ class Engine:
         stream.answer = Answer(
             text="".join(pieces), token_ids=generated, method=options.method, ratio=options.ratio,
             prompt_tokens=length, recomputed_tokens=int(prefill.recomputed_positions.numel()),
-            first_logits=prefill.logits, timings=timings,
+            first_logits=prefill.logits, timings=timings, reused_tokens=prefill.reused_tokens,
         )
 
     # ---- building blocks ---------------------------------------------------------------------
@@ -257,21 +305,28 @@ class Engine:
         batch, dtype = self.config.ingest_batch_size, self.store_dtype(lm)
         stream = self.layer_stream(lm) if isinstance(self.store, HostTier) else None
         if stream is not None:
-            prefix = load_layerwise(lm, self.store, plan.texts, plan.chunk_ids, slots, deltas, variant,
-                                    plan.system_prompt, stream, batch, dtype)
+            loaded = load_layerwise(lm, self.store, plan.texts, plan.chunk_ids, slots, deltas, variant,
+                                    plan.system_prompt, stream, batch, dtype, plan.bare or None)
             cache.wait_for_layer = stream.wait
         else:
-            prefix = load_into(lm, self.store, plan.texts, plan.chunk_ids, slots, variant, plan.system_prompt,
-                               batch, dtype)
+            loaded = load_into(lm, self.store, plan.texts, plan.chunk_ids, slots, variant, plan.system_prompt,
+                               batch, dtype, plan.bare or None)
             rotations: dict = {}
             for (keys, _), delta in zip(slots, deltas):
                 rotate_keys_(lm.model, keys, delta, rotations=rotations)  # in the compute dtype, in place
-        cache.place(0, prefix.keys, prefix.values)
+        cache.place(0, loaded.prefix.keys, loaded.prefix.values)
+        # which rows came from the store, for the answer's count of reused tokens
+        cache.from_store = torch.zeros(cache.capacity, dtype=torch.bool)
+        cache.from_store[: plan.prefix_len] = loaded.prefix.read
+        for offset, ids, read in zip(plan.chunk_offsets, plan.chunk_ids, loaded.read):
+            cache.from_store[offset : offset + len(ids)] = read
         return cache
 
     def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor) -> torch.Tensor:
-        """Recompute the chunk rows at `positions` together with the question; next-token logits."""
-        positions = torch.cat([positions.sort().values, plan.question_positions()])
+        """Recompute the chunk rows at `positions` together with the text between chunks (a client's own
+        layout) and the question; next-token logits."""
+        positions = torch.cat([positions, plan.gap_positions()]).sort().values if plan.has_gaps else positions.sort().values
+        positions = torch.cat([positions, plan.question_positions()])
         ids = torch.tensor(plan.all_ids())[positions]
         return recompute(self.primary.model, cache, ids, positions, kernel=self.kernel)
 
@@ -282,7 +337,7 @@ class Engine:
         aux = self.aux
         if aux is None:
             raise ValueError("method 'cacheclip' needs an aux model; set EngineConfig.aux")
-        prefix, entries = self.entries(aux, plan.texts, SHARED, plan.system_prompt)
+        prefix, entries = self.entries(aux, plan.texts, SHARED, plan.system_prompt, plan.bare or None)
         question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
         skip = 1 if options.shared_prefix else 0
         with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
@@ -300,8 +355,9 @@ class Engine:
                                        options.exact_budget)
         else:
             chosen = top_k_candidates(scores, options.ratio)
-        return [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text)))
-                for text, entry, c, spans in zip(plan.texts, entries, chosen, plan.char_spans)]
+        bare = plan.bare or (False,) * len(plan.texts)
+        return [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text, b)))
+                for text, b, entry, c, spans in zip(plan.texts, bare, entries, chosen, plan.char_spans)]
 
     def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]

@@ -57,15 +57,41 @@ class PrefixCache:
     token_ids: tuple[int, ...]
     keys: torch.Tensor
     values: torch.Tensor
+    read: bool = True  # read from the store (False: computed by this request)
 
 
-def chunk_unit(lm: LoadedModel, text: str) -> str:
-    """The text a chunk contributes to the prompt: the chunk and its separator."""
-    return text + lm.prompt.chunk_separator
+@dataclass(frozen=True)
+class Loaded:
+    """What a load placed: the prefix, and per chunk whether its cache was read (False: computed now)."""
+
+    prefix: PrefixCache
+    read: tuple[bool, ...]
 
 
-def chunk_key(lm: LoadedModel, prefix_ids: Sequence[int], text: str, variant: str) -> bytes:
-    return entry_key(lm.fingerprint.digest, prefix_ids if variant == SHARED else (), chunk_unit(lm, text), variant)
+def chunk_unit(lm: LoadedModel, text: str, bare: bool = False) -> str:
+    """The text a chunk contributes to the prompt: the chunk and its separator (`bare`: the chunk alone,
+    as found in a prompt where something else follows it)."""
+    return text if bare else text + lm.prompt.chunk_separator
+
+
+def unit_key(lm: LoadedModel, prefix_ids: Sequence[int], unit: str, variant: str) -> bytes:
+    return entry_key(lm.fingerprint.digest, prefix_ids if variant == SHARED else (), unit, variant)
+
+
+def chunk_key(lm: LoadedModel, prefix_ids: Sequence[int], text: str, variant: str, bare: bool = False) -> bytes:
+    return unit_key(lm, prefix_ids, chunk_unit(lm, text, bare), variant)
+
+
+@dataclass(frozen=True)
+class FormattedPrefix:
+    """A shared prefix given as the exact text that starts the prompt (a prompt a client sent), rather
+    than a system prompt to lay out with the model's template."""
+
+    text: str
+
+
+def prefix_text(lm: LoadedModel, system_prompt: str | FormattedPrefix) -> str:
+    return system_prompt.text if isinstance(system_prompt, FormattedPrefix) else lm.prompt.prefix(system_prompt)
 
 
 def fetch(lm: LoadedModel, store: KVStore, keys: list[bytes]) -> list[ChunkEntry | None]:
@@ -85,15 +111,16 @@ def fetch(lm: LoadedModel, store: KVStore, keys: list[bytes]) -> list[ChunkEntry
     return found
 
 
-def prefix_cache(lm: LoadedModel, store: KVStore, system_prompt: str) -> PrefixCache:
+def prefix_cache(lm: LoadedModel, store: KVStore, system_prompt: str | FormattedPrefix) -> PrefixCache:
     """The shared prefix's KV, computed once per (model, prefix) and stored (served unstored when the
     store is full)."""
-    ids = lm.encode_prefix(lm.prompt.prefix(system_prompt))
+    ids = lm.encode_prefix(prefix_text(lm, system_prompt))
     key = entry_key(lm.fingerprint.digest, ids, "", PREFIX)
     entry = fetch(lm, store, [key])[0]
     if entry is not None and entry.token_ids != tuple(ids):
         store.quarantine(key, "prefix entry holds other token ids than its key's prefix")
         entry = None
+    read = entry is not None
     if entry is None:
         cache = new_cache(lm, len(ids))
         positions = torch.arange(len(ids))[None]
@@ -101,7 +128,7 @@ def prefix_cache(lm: LoadedModel, store: KVStore, system_prompt: str) -> PrefixC
         keys, values = cache.rows(0, len(ids))
         entry = ChunkEntry(keys.clone(), values.clone(), tuple(ids), ())
         _store_or_serve(store, [(key, lm.fingerprint.digest, entry)])
-    return PrefixCache(tuple(ids), entry.keys, entry.values)
+    return PrefixCache(tuple(ids), entry.keys, entry.values, read)
 
 
 Encoded = tuple[list[int], list[tuple[int, int]]]
@@ -169,7 +196,7 @@ def precompute(
         raise ValueError(f"variant must be {SHARED!r} or {DIRECT!r}, got {variant!r}")
     prefix = prefix_cache(lm, store, system_prompt)
     keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
-    todo = list({k: t for k, t in zip(keys, texts) if not store.contains(k)}.items())
+    todo = list({k: chunk_unit(lm, t) for k, t in zip(keys, texts) if not store.contains(k)}.items())
     for batch, entries in _computed(lm, prefix, todo, variant, batch_size, store_dtype, progress):
         store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
     return keys
@@ -177,9 +204,9 @@ def precompute(
 
 def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], variant: str, batch_size: int,
               store_dtype: torch.dtype | None, progress: bool) -> Iterator[tuple[list[tuple[bytes, str]], list[ChunkEntry]]]:
-    """(batch of (key, text), their entries in the storage dtype), a batch at a time."""
+    """(batch of (key, unit), their entries in the storage dtype), a batch at a time."""
     behind = prefix if variant == SHARED else None
-    encoded = _encode_units(lm, [chunk_unit(lm, t) for _, t in todo], len(behind.token_ids) if behind else 0)
+    encoded = _encode_units(lm, [u for _, u in todo], len(behind.token_ids) if behind else 0)
     bar = tqdm(total=len(todo), desc=f"precompute {lm.name} ({variant})", unit="chunk", disable=not progress)
     for i in range(0, len(todo), batch_size):
         batch = todo[i : i + batch_size]
@@ -208,8 +235,8 @@ def _store_or_serve(store: KVStore, items: list[tuple[bytes, str, ChunkEntry]]) 
 
 def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missing: dict[bytes, str], variant: str,
                      batch_size: int, store_dtype: torch.dtype | None) -> dict[bytes, EntryView]:
-    """The missing chunks computed and stored, each as the bytes the store holds (so a request served
-    from a miss sees exactly what later requests read back)."""
+    """The missing chunks (key -> unit) computed and stored, each as the bytes the store holds (so a
+    request served from a miss sees exactly what later requests read back)."""
     views: dict[bytes, EntryView] = {}
     fingerprint = lm.fingerprint.digest
     for batch, entries in _computed(lm, prefix, list(missing.items()), variant, batch_size, store_dtype, False):
@@ -219,14 +246,16 @@ def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missin
     return views
 
 
-def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], variant: str, system_prompt: str,
-                     batch_size: int = 4, store_dtype: torch.dtype | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
+def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], variant: str,
+                     system_prompt: str | FormattedPrefix, batch_size: int = 4, store_dtype: torch.dtype | None = None,
+                     bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
     """The prefix and each chunk's entry (new tensors on the model's device): read, or computed,
-    stored and served where missing."""
+    stored and served where missing. `bare[i]`: chunk i without its separator (`chunk_unit`)."""
     prefix = prefix_cache(lm, store, system_prompt)
-    keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
+    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
+    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
     found = fetch(lm, store, keys)
-    missing = {k: t for k, t, e in zip(keys, texts, found) if e is None}
+    missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
     if missing:
         views = compute_missing(lm, store, prefix, missing, variant, batch_size, store_dtype)
         found = [views[k].decode(lm.device) if e is None else e for k, e in zip(keys, found)]
@@ -234,23 +263,23 @@ def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], vari
 
 
 def load_into(lm: LoadedModel, store: KVStore, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
-              slots: Sequence[Slot], variant: str, system_prompt: str, batch_size: int = 4,
-              store_dtype: torch.dtype | None = None) -> PrefixCache:
+              slots: Sequence[Slot], variant: str, system_prompt: str | FormattedPrefix, batch_size: int = 4,
+              store_dtype: torch.dtype | None = None, bare: Sequence[bool] | None = None) -> Loaded:
     """Each chunk's cache decoded straight into `slots[i]` (views of the request's blended cache), the
     misses computed, stored and placed. An intact entry whose tokens are not `token_ids[i]` (another
-    chunk's entry under this key, or a changed tokenizer) is quarantined and recomputed. Returns the
-    prefix."""
+    chunk's entry under this key, or a changed tokenizer) is quarantined and recomputed."""
     prefix = prefix_cache(lm, store, system_prompt)
-    keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
+    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
+    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
     found = store.read_into(keys, lm.fingerprint.digest, slots)
     for i, (key, entry) in enumerate(zip(keys, found)):
         if entry is not None and entry.token_ids != tuple(token_ids[i]):
             store.quarantine(key, "its token ids are not those of the text its key names")
             found[i] = None
-    missing = {k: t for k, t, e in zip(keys, texts, found) if e is None}
+    missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
     if missing:
         views = compute_missing(lm, store, prefix, missing, variant, batch_size, store_dtype)
         for key, entry, slot in zip(keys, found, slots):
             if entry is None:
                 views[key].copy_into(slot)
-    return prefix
+    return Loaded(prefix, tuple(e is not None for e in found))

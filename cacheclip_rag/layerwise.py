@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .ingest import PrefixCache, chunk_key, compute_missing, prefix_cache
+from .ingest import FormattedPrefix, Loaded, chunk_unit, compute_missing, prefix_cache, unit_key
 from .models import LoadedModel
 from .rope import rotate_keys_
 from .store import ChunkEntry, Slot
@@ -70,20 +70,23 @@ def copy_layerwise(stream: LayerStream, sources: Sequence[ChunkEntry], slots: Se
 
 
 def load_layerwise(lm: LoadedModel, tier: HostTier, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
-                   slots: Sequence[Slot], deltas: Sequence[int], variant: str, system_prompt: str,
-                   stream: LayerStream, batch_size: int = 4, store_dtype: torch.dtype | None = None) -> PrefixCache:
+                   slots: Sequence[Slot], deltas: Sequence[int], variant: str, system_prompt: str | FormattedPrefix,
+                   stream: LayerStream, batch_size: int = 4, store_dtype: torch.dtype | None = None,
+                   bare: Sequence[bool] | None = None) -> Loaded:
     """`ingest.load_into` for a GPU cache behind a host tier, through `stream`: entries gathered in host
     memory first (held, read, or computed), then queued layer by layer with their re-rotation by
     `deltas[i]`. The caller makes the recompute wait for each layer (`BlendedCache.wait_for_layer`)."""
     prefix = prefix_cache(lm, tier, system_prompt)
-    keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
+    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
+    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
     dtype = slots[0][0].dtype if slots else lm.dtype
     sources = tier.host_entries(keys, lm.fingerprint.digest, [tuple(s[0].shape) for s in slots], dtype)
     for i, (key, entry) in enumerate(zip(keys, sources)):
         if entry is not None and entry.token_ids != tuple(token_ids[i]):
             tier.quarantine(key, "its token ids are not those of the text its key names")
             sources[i] = None
-    missing = {k: t for k, t, e in zip(keys, texts, sources) if e is None}
+    missing = {k: u for k, u, e in zip(keys, units, sources) if e is None}
+    read = tuple(e is not None for e in sources)
     if missing:
         views = compute_missing(lm, tier, prefix, missing, variant, batch_size, store_dtype)
         sources = [views[k].decode("cpu", dtype, pin=tier.pin) if e is None else e for k, e in zip(keys, sources)]
@@ -95,4 +98,4 @@ def load_layerwise(lm: LoadedModel, tier: HostTier, texts: Sequence[str], token_
             rotate_keys_(lm.model, slot_keys, delta, layers=[layer], rotations=rotations)
 
     copy_layerwise(stream, sources, slots, rotate, lm.config.num_hidden_layers)
-    return prefix
+    return Loaded(prefix, read)

@@ -82,6 +82,9 @@ def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill
     """APE: chunks encoded in parallel behind the shared prefix (each keeps the positions it was computed
     at), the question at the position after the longest chunk, and APE's temperature and scale on the
     chunk rows for every query token, the answer's included. Nothing is recomputed."""
+    if plan.has_gaps:
+        raise ValueError("method 'ape' places chunks in parallel: it needs the engine's own layout, not a prompt with "
+                         "text between its chunks")
     timings = Timings()
     t0 = _now(engine, options)
     cache = engine.blended_cache(plan, options, shared=True, reposition=False)
@@ -125,8 +128,7 @@ def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> 
     t1 = _now(engine, options)
     chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
     deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len, kernel=engine.kernel)
-    lengths = [len(c) for c in plan.chunk_ids]
-    candidates = top_k_candidates(list(deviation.split(lengths)), options.ratio)
+    candidates = top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)
     t2 = _now(engine, options)
     positions = engine.positions_of(plan, candidates)
     logits = engine.recompute_and_answer(cache, plan, positions)
@@ -138,12 +140,12 @@ def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Pref
     timings = Timings()
     t0 = _now(engine, options)
     scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
-    lengths = [len(c) for c in plan.chunk_ids]
+    per_chunk = [scores[a:b] for a, b in plan.chunk_rows()]
     if options.grouping:
-        candidates = grouped_to_budget(list(scores.split(lengths)), options.ratio, engine.config.window,
+        candidates = grouped_to_budget(per_chunk, options.ratio, engine.config.window,
                                        engine.config.threshold, options.exact_budget)
     else:
-        candidates = top_k_candidates(list(scores.split(lengths)), options.ratio)
+        candidates = top_k_candidates(per_chunk, options.ratio)
     t1 = _now(engine, options)
     cache = engine.blended_cache(plan, options, options.shared_prefix)
     t2 = _now(engine, options)

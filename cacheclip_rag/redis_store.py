@@ -16,6 +16,7 @@ Needs `pip install 'cacheclip-rag[redis]'`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import logging
@@ -286,6 +287,25 @@ class RedisStore:
                     log.warning("redis %s: skipping %r and any other key in namespace %r that is not a store "
                                 "key", self.url, name, self.namespace)
         return iter(keys)
+
+    # ---- chunk texts (what servers recognise in prompts), shared by every replica -----------------
+
+    def remember_texts(self, texts: Sequence[str]) -> None:
+        """Each new text in a hash by its digest, and its digest appended to a log (`texts_since`)."""
+        for text in dict.fromkeys(texts):
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+            if self._call(self.client.hsetnx, f"{self.namespace}:texts", digest, text.encode("utf-8", "surrogatepass")):
+                self._call(self.client.rpush, f"{self.namespace}:textlog", digest)
+
+    def texts_since(self, cursor: int = 0) -> tuple[list[str], int]:
+        digests = self._call(self.client.lrange, f"{self.namespace}:textlog", cursor, -1)
+        if not digests:
+            return [], cursor
+        values = self._call(self.client.hmget, f"{self.namespace}:texts", digests)
+        return [v.decode("utf-8", "surrogatepass") for v in values if v is not None], cursor + len(digests)
+
+    def texts(self) -> list[str]:
+        return self.texts_since(0)[0]
 
     # ---- owners (see store.owners): a hash of counts, a record per owner, a set per group ---------
 

@@ -14,7 +14,12 @@ from .cache import BlendedCache
 
 @dataclass(frozen=True)
 class Plan:
-    """Token layout of one request in the primary's tokenizer."""
+    """Token layout of one request in the primary's tokenizer:
+    prefix | chunk 0 | gap 0 | chunk 1 | gap 1 | ... | question.
+
+    Chunks come from the store (placed, re-rotated, partly recomputed); gaps are text between them that
+    a client's own prompt holds (empty in the engine's own layout), computed fresh in every method,
+    as the question is."""
 
     texts: tuple[str, ...]
     prefix_ids: tuple[int, ...]
@@ -22,36 +27,57 @@ class Plan:
     char_spans: tuple[tuple[tuple[int, int], ...], ...]  # per chunk token: its characters in the chunk
     question_ids: tuple[int, ...]
     question: str
-    system_prompt: str = ""  # the shared prefix's text (the request's, else the engine's)
+    system_prompt: object = ""  # the shared prefix: a system prompt (str) or an ingest.FormattedPrefix
+    bare: tuple[bool, ...] = ()  # per chunk: stored without the chunk separator (default: with it)
+    gaps: tuple[tuple[int, ...], ...] = ()  # per chunk: token ids of the text after it (default: none)
 
     @property
     def prefix_len(self) -> int:
         return len(self.prefix_ids)
 
+    def gap_ids(self, i: int) -> tuple[int, ...]:
+        return self.gaps[i] if self.gaps else ()
+
+    @property
+    def has_gaps(self) -> bool:
+        return any(self.gaps)
+
     @property
     def chunk_offsets(self) -> list[int]:
         offsets, at = [], self.prefix_len
-        for ids in self.chunk_ids:
+        for i, ids in enumerate(self.chunk_ids):
             offsets.append(at)
-            at += len(ids)
+            at += len(ids) + len(self.gap_ids(i))
         return offsets
+
+    def chunk_rows(self) -> list[tuple[int, int]]:
+        """Each chunk's rows [start, stop) relative to the first chunk row (the prefix's end)."""
+        return [(o - self.prefix_len, o - self.prefix_len + len(ids)) for o, ids in zip(self.chunk_offsets, self.chunk_ids)]
 
     @property
     def question_start(self) -> int:
-        return self.prefix_len + sum(len(c) for c in self.chunk_ids)
+        return self.prefix_len + sum(len(c) for c in self.chunk_ids) + sum(len(g) for g in self.gaps)
 
     @property
     def length(self) -> int:
         return self.question_start + len(self.question_ids)
 
     def context_ids(self) -> list[int]:
-        return [*self.prefix_ids, *(t for ids in self.chunk_ids for t in ids)]
+        ids = list(self.prefix_ids)
+        for i, chunk in enumerate(self.chunk_ids):
+            ids += [*chunk, *self.gap_ids(i)]
+        return ids
 
     def all_ids(self) -> list[int]:
         return [*self.context_ids(), *self.question_ids]
 
     def question_positions(self) -> torch.Tensor:
         return torch.arange(self.question_start, self.length)
+
+    def gap_positions(self) -> torch.Tensor:
+        parts = [torch.arange(o + len(ids), o + len(ids) + len(self.gap_ids(i)))
+                 for i, (o, ids) in enumerate(zip(self.chunk_offsets, self.chunk_ids))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 @dataclass
@@ -85,6 +111,7 @@ class Prefill:
     timings: Timings
     rope_shift: int = 0  # cache row minus RoPE position for the question and answer (APE's parallel positions)
     chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
+    reused_tokens: int = 0  # prompt tokens whose K/V were read from the store and kept as read
 
 
 @dataclass
@@ -97,6 +124,7 @@ class Answer:
     recomputed_tokens: int
     first_logits: torch.Tensor
     timings: Timings
+    reused_tokens: int = 0  # prompt tokens served from stored caches (not recomputed, not computed on a miss)
 
     @property
     def recompute_fraction(self) -> float:

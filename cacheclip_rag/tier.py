@@ -161,6 +161,15 @@ class _Tier:
     def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
         self.store.retain(owner, keys, group)
 
+    def remember_texts(self, texts: Sequence[str]) -> None:
+        self.store.remember_texts(texts)
+
+    def texts_since(self, cursor: int = 0) -> tuple[list[str], int]:
+        return self.store.texts_since(cursor)
+
+    def texts(self) -> list[str]:
+        return self.store.texts()
+
     def owners_of(self, group: str) -> list[str]:
         return self.store.owners_of(group)
 

@@ -122,6 +122,24 @@ class TieredStore:
     def keys(self) -> Iterator[bytes]:
         return self.local.keys()
 
+    def remember_texts(self, texts: Sequence[str]) -> None:
+        self.local.remember_texts(texts)
+        try:
+            self.remote.remember_texts(texts)
+        except StoreError as err:
+            log.warning("shared store did not take the chunk texts (%s)", err)
+
+    def texts_since(self, cursor: int = 0) -> tuple[list[str], int]:
+        """From the shared tier: every replica's texts (nothing new while it is down)."""
+        try:
+            return self.remote.texts_since(cursor)
+        except StoreError as err:
+            log.warning("shared store down: no new chunk texts from it (%s)", err)
+            return [], cursor
+
+    def texts(self) -> list[str]:
+        return list(dict.fromkeys([*self.local.texts(), *self.texts_since(0)[0]]))
+
     # who uses an entry is recorded by the local tier (the shared one serves other deployments too)
     def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
         self.local.retain(owner, keys, group)

@@ -69,12 +69,22 @@ class CacheClipSynthesizer(BaseSynthesizer):
     def as_chat_engine(self, index: Any, chat_mode: str = "context", **kwargs: Any) -> Any:
         """A chat engine over `index` whose turns reuse the retrieved chunks' caches: LlamaIndex's context
         chat engines paste the retrieved text into a system message, which a plain LLM prefills in
-        full; this one answers each turn through the synthesizer instead (see `CacheClipChatEngine`)."""
-        from .llamaindex_chat import CacheClipChatEngine
+        full; these answer each turn through this synthesizer instead (see `llamaindex_chat`)."""
+        from .llamaindex_chat import chat_engine
 
         if chat_mode not in ("context", "condense_plus_context"):
             raise ValueError(f"chat_mode must be 'context' or 'condense_plus_context', got {chat_mode!r}")
-        return CacheClipChatEngine.from_index(index, self, condense=chat_mode == "condense_plus_context", **kwargs)
+        return chat_engine(index, self, condense=chat_mode == "condense_plus_context", **kwargs)
+
+    def qa_template_parts(self) -> tuple[str, str]:
+        """The QA template's text before `{context_str}` (the shared prefix) and after it."""
+        head, tail = self._text_qa_template.get_template().split("{context_str}", 1)
+        return head, tail
+
+    def with_template(self, template: PromptTemplate, streaming: bool | None = None) -> CacheClipSynthesizer:
+        """This synthesizer (engine, options, callbacks) with another QA template (and streaming)."""
+        return CacheClipSynthesizer(self._engine, self._options, self._streaming if streaming is None else streaming,
+                                    template, self._callback_manager)
 
     @staticmethod
     def _checked(template: PromptTemplate) -> PromptTemplate:

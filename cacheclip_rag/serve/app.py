@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/completions` (streamed by SSE or
+not), `/v1/models`, `/v1/ingest`, `/health`, `/metrics`. One engine, one model worker, an async front.
+
+Every client speaks the OpenAI API unchanged (the `openai` client, LangChain's `ChatOpenAI`,
+LlamaIndex's `OpenAILike`): the RAG framework pastes retrieved chunks into its prompt as it always
+does, and the server finds the stored ones there and reuses their caches. `usage` says what was
+reused: `prompt_tokens_details.cached_tokens` (as OpenAI defines it) and a `cacheclip` object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import METHODS, RequestOptions
+from ..engine import Engine
+from ..recognize import ChunkIndex
+from ..request import Answer
+from .layouts import Planned, plan_chat, plan_completion
+from .metrics import Metrics
+from .requests import APIError, chat_request, completion_request, parse_json
+from .worker import DONE, Job, QueueFull, Worker
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str = "cacheclip"  # the name clients pass as `model`
+    api_keys: tuple[str, ...] = ()  # empty: no key needed
+    method: str = "cacheclip"
+    ratio: float = 0.2
+    max_queue: int = 8
+    max_body_bytes: int = 8 << 20
+    timeout_s: float = 600.0
+    default_max_tokens: int = 256
+    index_refresh_s: float = 2.0  # how often new texts in the store are indexed for recognition
+
+    def __post_init__(self) -> None:
+        RequestOptions(method=self.method, ratio=self.ratio)  # a clear error for a bad default
+        if self.max_queue < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
+            raise ValueError("max_queue >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
+
+
+class Server:
+    """The engine behind the HTTP routes: recognition index, worker, metrics."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine, self.settings = engine, settings
+        texts, self._text_cursor = engine.store.texts_since(0)
+        self.index = ChunkIndex(texts)
+        self._refreshed = time.monotonic()
+        self._refresh_lock = threading.Lock()
+        self.worker = Worker(settings.max_queue)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    def refresh_index(self) -> None:
+        """Texts other processes ingested since (another replica, a framework's hook, `cacheclip ingest`):
+        at most every `index_refresh_s`, read from where the last refresh stopped."""
+        if time.monotonic() - self._refreshed < self.settings.index_refresh_s or not self._refresh_lock.acquire(False):
+            return
+        try:
+            texts, self._text_cursor = self.engine.store.texts_since(self._text_cursor)
+            self.index.add(texts)
+            self._refreshed = time.monotonic()
+        finally:
+            self._refresh_lock.release()
+
+    def authorise(self, request: Request) -> None:
+        if not self.settings.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(given, key) for key in self.settings.api_keys):
+            raise APIError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key")
+
+    async def body(self, request: Request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            raise APIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > self.settings.max_body_bytes:
+                raise APIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
+        return parse_json(bytes(raw))
+
+    def limit_tokens(self, planned: Planned) -> Planned:
+        """max_tokens within the context: a request that asks for more than fits is refused, named."""
+        lm = self.engine.primary
+        prompt_tokens = planned.plan.length if planned.plan is not None else len(lm.encode_prefix(planned.prompt))
+        room = lm.max_context - prompt_tokens
+        if room < 1:
+            raise APIError(400, f"the prompt's {prompt_tokens} tokens fill the model's context of {lm.max_context}",
+                           "messages", "context_length_exceeded")
+        if planned.options.max_new_tokens > room:
+            raise APIError(400, f"max_tokens={planned.options.max_new_tokens} with a {prompt_tokens}-token prompt exceeds "
+                           f"the model's context of {lm.max_context}", "max_tokens", "context_length_exceeded")
+        return planned
+
+    def start(self, planned: Planned):
+        """The callable the worker runs: the prefill, returning the stream of pieces."""
+        engine = self.engine
+        if planned.plan is None:
+            return lambda: engine.complete(planned.prompt, planned.options)
+        return lambda: engine.stream_plan(planned.plan, planned.options)
+
+    async def run(self, planned: Planned, disconnected) -> tuple[Job, AsyncIterator[str]]:
+        job = Job(self.start(planned), asyncio.get_running_loop(), self.settings.timeout_s)
+        try:
+            self.worker.submit(job)
+        except QueueFull as err:
+            raise APIError(429, str(err), kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(err.retry_after_s)}) from None
+        self.metrics.queue_depth.set(self.worker.depth)
+
+        async def pieces() -> AsyncIterator[str]:
+            try:
+                while True:
+                    item = await job.out.get()
+                    if item is DONE:
+                        break
+                    if await disconnected():
+                        job.cancel()
+                    yield item
+                if job.error is not None:
+                    raise job.error
+            finally:
+                job.cancel()  # a closed stream (client gone) stops the decode
+                self.metrics.queue_depth.set(self.worker.depth)
+
+        return job, pieces()
+
+    def usage(self, planned: Planned, answer: Answer | None) -> dict:
+        prompt_tokens = answer.prompt_tokens if answer else 0
+        completion = len(answer.token_ids) if answer else 0
+        recomputed = answer.recomputed_tokens if answer else 0
+        reused = answer.reused_tokens if answer else 0
+        timings = answer.timings.as_dict() if answer else {}
+        if answer:
+            self.metrics.ttft.labels(planned.options.method if planned.plan is not None else "full").observe(
+                answer.timings.ttft_s)
+            self.metrics.tokens.labels("reused").inc(reused)
+            self.metrics.tokens.labels("computed").inc(prompt_tokens - reused)
+            self.metrics.observe_store(answer.timings.store)
+            self.metrics.recognised.inc(planned.chunks_recognised)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": reused},
+                "cacheclip": {"method": planned.options.method if planned.plan is not None else "full",
+                              "ratio": planned.options.ratio, "chunks_recognised": planned.chunks_recognised,
+                              "reused_tokens": reused, "recomputed_chunk_tokens": recomputed if planned.plan else 0,
+                              "recognise_s": planned.recognise_s, "timings": timings}}
+
+    def finish_reason(self, planned: Planned, answer: Answer | None) -> str:
+        if answer is None:
+            return "stop"
+        ended = answer.token_ids and answer.token_ids[-1] in self.engine.primary.eos_token_ids
+        return "length" if len(answer.token_ids) >= planned.options.max_new_tokens and not ended else "stop"
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    server = Server(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.worker.close()
+
+    app = FastAPI(title="cacheclip", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        server.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return _error_response(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:  # never a traceback to the client
+        server.metrics.requests.labels(request.url.path, "500").inc()
+        return _error_response(APIError(500, f"internal error ({type(err).__name__}): {err}", kind="server_error"))
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": settings.model, "chunks_indexed": len(server.index),
+                "queue_depth": server.worker.depth}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        server.authorise(request)
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": server.created,
+                                            "owned_by": "cacheclip", "primary": engine.primary.name}]}
+
+    @app.post("/v1/ingest")
+    async def ingest(request: Request) -> dict:
+        """{"documents": [...]}: each text's caches computed and stored, and indexed for recognition."""
+        server.authorise(request)
+        body = await server.body(request)
+        documents = body.get("documents")
+        if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
+            raise APIError(400, "'documents' must be a non-empty list of strings", "documents")
+        try:
+            keys = await asyncio.to_thread(engine.ingest, documents, False)
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), "documents") from None
+        added = server.index.add(documents)
+        server.metrics.requests.labels("/v1/ingest", "200").inc()
+        return {"object": "ingest", "documents": len(documents), "indexed": added, "keys": [k.hex() for k in keys]}
+
+    async def respond(request: Request, planned: Planned, kind: str):
+        planned = server.limit_tokens(planned)
+        job, pieces = await server.run(planned, request.is_disconnected)
+        ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if kind == "chat":
+                key = "delta" if delta else "message"
+                body = ({"content": text} if text is not None else {}) if delta else {"role": "assistant", "content": text}
+                return {"index": 0, key: body, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        if not request.state.stream:
+            text = "".join([piece async for piece in pieces])
+            server.metrics.requests.labels(request.url.path, "200").inc()
+            return JSONResponse({"id": ident, "object": obj, "created": created, "model": settings.model,
+                                 "choices": [choice(text, server.finish_reason(planned, job.answer), False)],
+                                 "usage": server.usage(planned, job.answer)})
+
+        async def events() -> AsyncIterator[bytes]:
+            chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+            def event(payload: dict) -> bytes:
+                return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+            head = {"id": ident, "object": chunk_obj, "created": created, "model": settings.model}
+            if kind == "chat":
+                yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "finish_reason": None, "logprobs": None}]})
+            try:
+                async for piece in pieces:
+                    yield event({**head, "choices": [choice(piece, None, True)]})
+            except Exception as err:  # noqa: BLE001 - the stream has begun: report in-band
+                yield event({"error": {"message": str(err), "type": "server_error"}})
+                return
+            yield event({**head, "choices": [choice(None if kind == "chat" else "",
+                                                    server.finish_reason(planned, job.answer), True)]})
+            if request.state.include_usage:
+                yield event({**head, "choices": [], "usage": server.usage(planned, job.answer)})
+            else:
+                server.usage(planned, job.answer)  # the metrics count it either way
+            server.metrics.requests.labels(request.url.path, "200").inc()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        server.authorise(request)
+        parsed = chat_request(await server.body(request), (settings.model,), METHODS)
+        request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
+        server.refresh_index()
+        planned = await asyncio.to_thread(plan_chat, engine, server.index, with_default_tokens(parsed), settings.method,
+                                          settings.ratio)
+        return await respond(request, planned, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        server.authorise(request)
+        parsed = completion_request(await server.body(request), (settings.model,), METHODS)
+        request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
+        server.refresh_index()
+        planned = await asyncio.to_thread(plan_completion, engine, server.index, with_default_tokens(parsed),
+                                          settings.method, settings.ratio)
+        return await respond(request, planned, "completion")
+
+    def with_default_tokens(parsed):
+        if parsed.generation.max_tokens is not None:
+            return parsed
+        return replace(parsed, generation=replace(parsed.generation, max_tokens=settings.default_max_tokens))
+
+    return app
+
+
+def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the server (uvicorn) until interrupted; binds loopback unless told otherwise."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="info")
+
+
+__all__ = ["ServerSettings", "create_app", "serve"]

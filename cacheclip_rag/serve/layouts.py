@@ -1,0 +1,96 @@
+"""From an OpenAI request to a planned engine request: messages rendered with the model's chat template,
+stored chunks found in the prompt and laid out around (`recognize`), or the explicit documents of
+`extra_body={"documents": [...]}` in the engine's own layout; nothing found: plain full prefill."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from ..config import RequestOptions
+from ..engine import Engine
+from ..recognize import ChunkIndex, layout
+from ..request import Plan
+from .requests import APIError, ChatRequest, CompletionRequest, Generation
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A request ready to run: the engine's plan (None: full prefill of `prompt` as written), its options,
+    and what was recognised, for the response's usage."""
+
+    plan: Plan | None
+    prompt: str | None
+    options: RequestOptions
+    chunks_recognised: int
+    recognise_s: float = 0.0
+
+
+def render_chat(engine: Engine, messages: tuple[dict, ...]) -> str:
+    """The messages as the primary reads them: its tokenizer's chat template, or (a model without one, a
+    base model) the turns as plain text, ending where the assistant's answer starts."""
+    tokenizer = engine.primary.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def options_for(engine: Engine, generation: Generation, default_method: str, default_ratio: float) -> RequestOptions:
+    try:
+        return RequestOptions(method=generation.method or default_method,
+                              ratio=default_ratio if generation.ratio is None else generation.ratio,
+                              max_new_tokens=generation.max_tokens or 256, temperature=generation.temperature,
+                              top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
+    except (TypeError, ValueError) as err:
+        raise APIError(400, str(err)) from None
+
+
+def _question(messages: tuple[dict, ...], chunks: tuple[str, ...]) -> str:
+    """The user's question alone: the last user message without the chunks pasted into it."""
+    text = messages[-1]["content"]
+    for chunk in chunks:
+        text = text.replace(chunk, " ")
+    return " ".join(text.split()) or messages[-1]["content"][-500:]
+
+
+def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, options: RequestOptions,
+                messages: tuple[dict, ...] = ()) -> Planned:
+    t0 = time.perf_counter()
+    matches = index.find(prompt)
+    recognise_s = time.perf_counter() - t0
+    if not matches:
+        return Planned(None, prompt, options, 0, recognise_s)
+    if messages:  # the question the aux scores against: the user's words, not the pasted chunks
+        question = _question(messages, tuple(prompt[m.start : m.stop] for m in matches))
+    found = layout(prompt, matches, question)
+    try:
+        return Planned(engine.plan_layout(found, options), None, options, len(matches), recognise_s)
+    except ValueError as err:
+        raise APIError(400, str(err), code="context_length_exceeded" if "context" in str(err) else None) from None
+
+
+def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_method: str,
+              default_ratio: float) -> Planned:
+    options = options_for(engine, request.generation, default_method, default_ratio)
+    messages = request.messages
+    if request.generation.documents:  # the engine's own layout over the given documents
+        system = next((m["content"] for m in messages if m["role"] == "system" and m["content"].strip()), None)
+        try:
+            options = replace(options, system_prompt=system)
+            return Planned(engine.plan(messages[-1]["content"], list(request.generation.documents), options), None,
+                           options, len(request.generation.documents))
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), "documents") from None
+    return _recognised(engine, index, render_chat(engine, messages), messages[-1]["content"], options, messages)
+
+
+def plan_completion(engine: Engine, index: ChunkIndex, request: CompletionRequest, default_method: str,
+                    default_ratio: float) -> Planned:
+    options = options_for(engine, request.generation, default_method, default_ratio)
+    if request.generation.documents:
+        try:
+            return Planned(engine.plan(request.prompt, list(request.generation.documents), options), None, options,
+                           len(request.generation.documents))
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), "documents") from None
+    return _recognised(engine, index, request.prompt, request.prompt[-500:], options)

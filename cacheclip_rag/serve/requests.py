@@ -1,0 +1,180 @@
+"""OpenAI request bodies, checked field by field: a bad request is a 4xx with OpenAI's error body
+naming the field, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP `status`, and the body {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What both endpoints share: the model, decoding limits and sampling, streaming, and our options."""
+
+    model: str
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    documents: tuple[str, ...] | None  # explicit chunks (extra_body={"documents": [...]})
+    method: str | None  # extra_body={"cacheclip": {"method", "ratio"}}
+    ratio: float | None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[dict, ...]
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str
+    generation: Generation
+    echo: bool = field(default=False)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise APIError(400, f"'{name}' must be a number, got {value!r}", name)
+    if not low <= value <= high:
+        raise APIError(400, f"'{name}' must be in [{low}, {high}], got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"'{name}' must be an integer, got {value!r}", name)
+    if not low <= value <= high:
+        raise APIError(400, f"'{name}' must be in [{low}, {high}], got {value}", name)
+    return value
+
+
+def _strings(value: Any, name: str, limit: int) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise APIError(400, f"'{name}' must be a string or a list of non-empty strings", name)
+    if len(value) > limit:
+        raise APIError(400, f"'{name}' holds at most {limit} entries, got {len(value)}", name)
+    return tuple(value)
+
+
+def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ...]) -> Generation:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required (a string)", "model")
+    if model not in known_models:
+        raise APIError(404, f"the model {model!r} does not exist here; GET /v1/models lists {', '.join(known_models)}",
+                       "model", "model_not_found")
+    max_tokens = _integer(body, "max_completion_tokens", 1, 1 << 20)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, 1 << 20)
+    seed = _integer(body, "seed", 0, (1 << 63) - 1)
+    if body.get("n", 1) not in (1, None):
+        raise APIError(400, "'n' must be 1 here (one answer per request)", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, f"'stream' must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "'stream_options' must be an object", "stream_options")
+    documents = body.get("documents")
+    if documents is not None:
+        documents = _strings(documents, "documents", 256)
+        if not documents:
+            raise APIError(400, "'documents' must hold at least one document", "documents")
+    ours = body.get("cacheclip") or {}
+    if not isinstance(ours, dict):
+        raise APIError(400, "'cacheclip' must be an object: {\"method\": ..., \"ratio\": ...}", "cacheclip")
+    method = ours.get("method")
+    if method is not None and method not in methods:
+        raise APIError(400, f"'cacheclip.method' must be one of {', '.join(methods)}, got {method!r}", "cacheclip.method")
+    ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, 0.0, 1.0)
+    return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
+                      top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), stop=_strings(body.get("stop"), "stop", 4),
+                      seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
+                      documents=documents, method=method, ratio=ratio)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def chat_request(body: dict, known_models: tuple[str, ...], methods: tuple[str, ...]) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", "messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(400, f"messages[{i}] must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", f"messages[{i}].role")
+        parsed.append({"role": "system" if role == "developer" else role, "content": _content(message, i)})
+    if parsed[-1]["role"] != "user" or not parsed[-1]["content"].strip():
+        raise APIError(400, "the last message must be the user's, with text", "messages")
+    return ChatRequest(tuple(parsed), generation(body, known_models, methods))
+
+
+def completion_request(body: dict, known_models: tuple[str, ...], methods: tuple[str, ...]) -> CompletionRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise APIError(400, "'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    if body.get("echo"):
+        raise APIError(400, "'echo' is not supported", "echo")
+    return CompletionRequest(prompt, generation(body, known_models, methods))

