@@ -28,7 +28,7 @@ from .models import LoadedModel, int8_scorer, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys_
 from .methods import PREFILLS, side_stream
-from .recognize import Layout
+from .recognize import Layout, StoreIndex, layout
 from .request import Answer, Plan, Prefill, Stream, Timings
 from .select import aux_scores, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
@@ -183,6 +183,33 @@ class Engine:
             kept[prefill.recomputed_positions.cpu()] = False
             prefill.reused_tokens = int(kept[: plan.length].sum())
         return prefill
+
+    @property
+    def chunk_index(self) -> StoreIndex:
+        """The stored chunks' texts, for finding them inside ordinary prompts (`plan_prompt`)."""
+        if getattr(self, "_chunk_index", None) is None:
+            self._chunk_index = StoreIndex(self.store)
+        return self._chunk_index
+
+    def plan_prompt(self, prompt: str, options: RequestOptions, question: str | None = None) -> Plan | None:
+        """The plan of a prompt written by someone else (a framework's RAG template, a client of the server):
+        every stored chunk in it found and laid out (`plan_layout`); None when it holds none (then it is
+        plain full prefill: `complete`). `question`: the user's words alone, for the aux's selection pass
+        (default: the prompt's text after its last chunk)."""
+        matches = self.chunk_index.find(prompt)
+        if not matches:
+            return None
+        found = layout(prompt, matches, question or prompt[matches[-1].stop:].strip() or prompt[-500:])
+        return self.plan_layout(found, options)
+
+    def stream_prompt(self, prompt: str, options: RequestOptions | None = None, question: str | None = None) -> Stream:
+        """Answer a whole prompt, reusing the caches of the stored chunks it holds (full prefill if none)."""
+        options = options or RequestOptions()
+        started = time.perf_counter()
+        plan = self.plan_prompt(prompt, options, question)
+        if plan is None:
+            return self.complete(prompt, options)
+        return self.stream_plan(plan, options, started)
 
     def plan_layout(self, layout: Layout, options: RequestOptions) -> Plan:
         """The plan of a prompt a client wrote, as `recognize` found it: its text before the first stored

@@ -22,16 +22,16 @@ from .sources import check_model_source
 
 log = logging.getLogger(__name__)
 
-# Gemma's turn format; the Gemma 3 270M GGUF ships without a chat template.
+# Gemma's turn format (the Gemma 3 270M GGUF ships without a chat template): as Gemma 3's own template,
+# a system message opens the first user turn, which is then closed like any other turn
 GEMMA_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
-    "{% if message['role'] == 'system' %}{{ '<start_of_turn>user\n' + message['content'] + '\n' }}"
-    "{% else %}{{ '<start_of_turn>' + role + '\n' + message['content'] + '<end_of_turn>\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    "{{ bos_token }}{% set first = namespace(prefix='') %}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set first.prefix = first.prefix + message['content'] + '\n\n' %}"
+    "{% else %}{% set role = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{{ '<start_of_turn>' + role + '\n' + first.prefix + message['content'] + '<end_of_turn>\n' }}"
+    "{% set first.prefix = '' %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
-
-
 
 @dataclass(frozen=True)
 class PromptFormat:
@@ -295,6 +295,8 @@ def load_model(
         check_model_source(path)  # a folder without weights, an encoder, a seq2seq model: one clear line
         folder = convert_gguf(path) if path.suffix == ".gguf" else path
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    if name == "gemma3-270m":  # folders converted before the template closed its system turn carry the old one
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
     model.to(device)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(tokenizer))

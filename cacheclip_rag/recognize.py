@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -110,3 +111,31 @@ def layout(prompt: str, matches: Sequence[Match], question: str) -> Layout:
     between = tuple(prompt[a.stop : b.start] for a, b in zip(matches, matches[1:])) + ("",)
     return Layout(head=prompt[: matches[0].start], chunks=chunks, between=between, tail=prompt[matches[-1].stop :],
                   question=question)
+
+
+class StoreIndex(ChunkIndex):
+    """A `ChunkIndex` kept in step with a store's ingested texts: read incrementally (`texts_since`), at
+    most every `refresh_s`, so texts another process ingested (a replica, `cacheclip ingest`) are found."""
+
+    def __init__(self, store, refresh_s: float = 2.0):
+        texts, self._cursor = store.texts_since(0)
+        super().__init__(texts)
+        self._store, self.refresh_s = store, refresh_s
+        self._checked = time.monotonic()
+        self._refreshing = threading.Lock()
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._checked < self.refresh_s:
+            return
+        if not self._refreshing.acquire(blocking=force):
+            return
+        try:
+            texts, self._cursor = self._store.texts_since(self._cursor)
+            self.add(texts)
+            self._checked = time.monotonic()
+        finally:
+            self._refreshing.release()
+
+    def find(self, prompt: str) -> list[Match]:
+        self.refresh()
+        return super().find(prompt)

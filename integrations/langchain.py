@@ -134,7 +134,7 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
     override them per call."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    engine: Engine = Field(exclude=True)
+    engine: Engine = Field(exclude=True, repr=False)  # a repr of it is the whole model tree
     method: str = "cacheclip"
     ratio: float = 0.2
     max_new_tokens: int = 64
@@ -233,11 +233,22 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
 
 
 class CacheClipChatModel(BaseChatModel):
-    """The primary model as a LangChain chat model (its chat template; full prefill, no reuse)."""
+    """The primary model as a LangChain chat model. The messages are rendered with its chat template; the
+    stored chunks a RAG prompt pastes into them are found and their caches reused (`Engine.stream_prompt`:
+    `method`, `ratio`), and a prompt without any is plain full prefill. `max_tokens`, `temperature` and
+    `stop` are honoured (as fields, `.bind(...)`, or per call); each message carries `usage_metadata`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    engine: Engine
-    max_new_tokens: int = 64
+    engine: Engine = Field(exclude=True, repr=False)
+    max_tokens: int = 64
+    temperature: float = 0.0
+    method: str = "cacheclip"
+    ratio: float = 0.2
+
+    def __init__(self, engine: Engine, **fields: Any):
+        if "max_new_tokens" in fields:  # the name this class used to take
+            fields["max_tokens"] = fields.pop("max_new_tokens")
+        super().__init__(engine=engine, **fields)
 
     @property
     def _llm_type(self) -> str:
@@ -246,24 +257,51 @@ class CacheClipChatModel(BaseChatModel):
     def _prompt(self, messages: list[BaseMessage]) -> str:
         roles = {"human": "user", "ai": "assistant", "system": "system"}
         chat = [{"role": roles.get(m.type, "user"), "content": m.text} for m in messages]
-        return self.engine.primary.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        tokenizer = self.engine.primary.tokenizer
+        if not getattr(tokenizer, "chat_template", None):  # a base model: the turns as plain text
+            return "".join(f"{c['role']}: {c['content']}\n" for c in chat) + "assistant:"
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
-    def _start(self, messages: list[BaseMessage], stop: list[str] | None) -> Stream:
-        options = RequestOptions(method="full", max_new_tokens=self.max_new_tokens, stop=tuple(stop or ()))
-        return self.engine.complete(self._prompt(messages), options)
+    def _options(self, stop: list[str] | None, kwargs: dict) -> RequestOptions:
+        unknown = sorted(set(kwargs) - {"max_tokens", "temperature", "method", "ratio", "top_p", "seed"})
+        if unknown:
+            raise ValueError(f"unknown options {unknown}; CacheClipChatModel takes max_tokens, temperature, method, "
+                             "ratio, top_p, seed")
+        return RequestOptions(method=kwargs.get("method", self.method), ratio=kwargs.get("ratio", self.ratio),
+                              max_new_tokens=kwargs.get("max_tokens") or self.max_tokens,
+                              temperature=kwargs.get("temperature", self.temperature),
+                              top_p=kwargs.get("top_p", 1.0), seed=kwargs.get("seed"), stop=tuple(stop or ()))
+
+    def _start(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict) -> Stream:
+        question = next((m.text for m in reversed(messages) if m.type == "human"), None)
+        return self.engine.stream_prompt(self._prompt(messages), self._options(stop, kwargs), question)
+
+    @staticmethod
+    def _usage(answer: Answer | None) -> dict:
+        if answer is None:
+            return {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        return {"input_tokens": answer.prompt_tokens, "output_tokens": len(answer.token_ids),
+                "total_tokens": answer.prompt_tokens + len(answer.token_ids),
+                "input_token_details": {"cache_read": answer.reused_tokens}}
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        text = "".join(self._start(messages, stop))
-        return ChatResult(generations=[ChatGeneration(message=AIMessage(content=text))])
+        stream = self._start(messages, stop, kwargs)
+        text = "".join(stream)
+        meta = {"cacheclip": {"method": stream.answer.method, "recomputed_tokens": stream.answer.recomputed_tokens,
+                              "timings": stream.answer.timings.as_dict()}} if stream.answer else {}
+        message = AIMessage(content=text, usage_metadata=self._usage(stream.answer), response_metadata=meta)
+        return ChatResult(generations=[ChatGeneration(message=message)])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        for piece in self._start(messages, stop):
+        stream = self._start(messages, stop, kwargs)
+        for piece in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=self._usage(stream.answer)))
 
 
 class MiniLMEmbeddings(HuggingFaceEmbeddings):

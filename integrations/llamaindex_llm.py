@@ -27,13 +27,18 @@ def _config_dict(engine: Engine) -> dict:
 
 
 class CacheClipLLM(CustomLLM):
-    """The primary model as a LlamaIndex LLM. A plain prompt runs full prefill; a call carrying
-    `cacheclip_chunks` and `cacheclip_question` (what `CacheClipSynthesizer` sends) answers with chunk
-    reuse. `max_tokens` and `temperature` are honoured, per call too. `to_dict()` records the engine's
-    configuration and `from_dict()` rebuilds the engine from it."""
+    """The primary model as a LlamaIndex LLM. A call carrying `cacheclip_chunks` and `cacheclip_question`
+    (what `CacheClipSynthesizer` sends) answers with chunk reuse; a plain prompt (any of LlamaIndex's own
+    query and chat engines) has the stored chunks pasted into it found and their caches reused
+    (`Engine.stream_prompt`, with `method` and `ratio`), and is full prefill when it holds none.
+    `max_tokens` and `temperature` are honoured, per call too; token counts go in `raw["usage"]`, where
+    `TokenCountingHandler` reads them. `to_dict()` records the engine's configuration and `from_dict()`
+    rebuilds the engine from it (the store is shared in one process)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
+    method: str = "cacheclip"
+    ratio: float = 0.2
     engine_config: dict = {}
     _engine: Engine = PrivateAttr()
 
@@ -60,7 +65,7 @@ class CacheClipLLM(CustomLLM):
         return LLMMetadata(context_window=lm.max_context, num_output=self.max_new_tokens, model_name=lm.name)
 
     def _options(self, kwargs: dict) -> RequestOptions:
-        base = kwargs.get("cacheclip_options") or RequestOptions(method="full")
+        base = kwargs.get("cacheclip_options") or RequestOptions(method=self.method, ratio=self.ratio)
         return replace(base, max_new_tokens=int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_new_tokens),
                        temperature=float(kwargs.get("temperature", self.temperature)))
 
@@ -69,21 +74,22 @@ class CacheClipLLM(CustomLLM):
         chunks = kwargs.get("cacheclip_chunks")
         if chunks is not None:
             return self._engine.stream(kwargs["cacheclip_question"], list(chunks), options)
-        return self._engine.complete(prompt, replace(options, method="full"))
+        return self._engine.stream_prompt(prompt, options)
 
     @staticmethod
     def _usage(answer: Answer | None) -> dict:
         if answer is None:
             return {}
         return {"prompt_tokens": answer.prompt_tokens, "completion_tokens": len(answer.token_ids),
-                "total_tokens": answer.prompt_tokens + len(answer.token_ids),
+                "total_tokens": answer.prompt_tokens + len(answer.token_ids), "reused_tokens": answer.reused_tokens,
                 "recomputed_tokens": answer.recomputed_tokens, "timings": answer.timings.as_dict()}
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         stream = self._stream(prompt, kwargs)
         text = "".join(stream)
-        return CompletionResponse(text=text, additional_kwargs=self._usage(stream.answer))
+        usage = self._usage(stream.answer)
+        return CompletionResponse(text=text, additional_kwargs=usage, raw={"usage": usage})
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -94,7 +100,8 @@ class CacheClipLLM(CustomLLM):
             for piece in stream:
                 text += piece
                 yield CompletionResponse(text=text, delta=piece)
-            yield CompletionResponse(text=text, delta="", additional_kwargs=self._usage(stream.answer))
+            usage = self._usage(stream.answer)
+            yield CompletionResponse(text=text, delta="", additional_kwargs=usage, raw={"usage": usage})
 
         return gen()
 

@@ -126,8 +126,12 @@ class CacheClipSynthesizer(BaseSynthesizer):
             metadata.update(response.additional_kwargs)
             return _AnswerText(response.text, metadata)
 
+        # started here, not on the first read: the LLM's start event fires inside the query, as LlamaIndex's
+        # own streaming LLMs do, not after the query's end event
+        responses = self._llm.stream_complete(prompt, **kwargs)
+
         def pieces() -> Iterator[str]:
-            for response in self._llm.stream_complete(prompt, **kwargs):
+            for response in responses:
                 if response.delta:
                     yield response.delta
                 metadata.update(response.additional_kwargs)

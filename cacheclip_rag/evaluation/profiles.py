@@ -87,6 +87,12 @@ PROFILES = {
         "sweep", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.3, 0.5),
         variants=("full", "cacheblend", "cacheclip"), alignment_lengths=(), alignment_samples=0,
     ),
+    # the end of the score-vs-ratio curve (where retention recovers): CacheClip at 0.7-1.0 over the power
+    # run's 2K samples, paired with it and the sweep through `--merge`; about a minute a sample
+    "tail": Profile(
+        "tail", lengths=(2048,), tasks=ruler.TASKS, samples=13, ratios=(0.7, 0.9, 0.95, 1.0),
+        variants=("full", "cacheclip"), alignment_lengths=(), alignment_samples=0,
+    ),
     # CacheClip's ablations and the other baselines at the headline budget, over the same samples
     # (with `--merge` of the power run: each ablation paired against cacheclip @ 0.2)
     "ablations": Profile(

@@ -13,7 +13,6 @@ import asyncio
 import hmac
 import json
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import METHODS, RequestOptions
 from ..engine import Engine
-from ..recognize import ChunkIndex
 from ..request import Answer
 from .layouts import Planned, plan_chat, plan_completion
 from .metrics import Metrics
@@ -56,25 +54,11 @@ class Server:
 
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
-        texts, self._text_cursor = engine.store.texts_since(0)
-        self.index = ChunkIndex(texts)
-        self._refreshed = time.monotonic()
-        self._refresh_lock = threading.Lock()
+        self.index = engine.chunk_index  # the ingested texts, refreshed from the store as others add to it
+        self.index.refresh_s = settings.index_refresh_s
         self.worker = Worker(settings.max_queue)
         self.metrics = Metrics()
         self.created = int(time.time())
-
-    def refresh_index(self) -> None:
-        """Texts other processes ingested since (another replica, a framework's hook, `cacheclip ingest`):
-        at most every `index_refresh_s`, read from where the last refresh stopped."""
-        if time.monotonic() - self._refreshed < self.settings.index_refresh_s or not self._refresh_lock.acquire(False):
-            return
-        try:
-            texts, self._text_cursor = self.engine.store.texts_since(self._text_cursor)
-            self.index.add(texts)
-            self._refreshed = time.monotonic()
-        finally:
-            self._refresh_lock.release()
 
     def authorise(self, request: Request) -> None:
         if not self.settings.api_keys:
@@ -283,7 +267,6 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         server.authorise(request)
         parsed = chat_request(await server.body(request), (settings.model,), METHODS)
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
-        server.refresh_index()
         planned = await asyncio.to_thread(plan_chat, engine, server.index, with_default_tokens(parsed), settings.method,
                                           settings.ratio)
         return await respond(request, planned, "chat")
@@ -293,7 +276,6 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         server.authorise(request)
         parsed = completion_request(await server.body(request), (settings.model,), METHODS)
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
-        server.refresh_index()
         planned = await asyncio.to_thread(plan_completion, engine, server.index, with_default_tokens(parsed),
                                           settings.method, settings.ratio)
         return await respond(request, planned, "completion")

@@ -1,0 +1,107 @@
+"""Decode speed at long contexts: the engine's decode steps over its blended cache against transformers'
+own `generate` on the same model and prompt, in the same run (alternating, repeated). Prints one table;
+`--json` writes the rows.
+
+The engine's rate is its own decode timing (tokens after the first over the time after TTFT). For
+`generate`, prefill is taken out by difference: the time of `max_new_tokens = n + 1` minus that of
+`max_new_tokens = 1`, over n tokens; both greedy, forced to the full length.
+
+    python bench/bench_decode.py [--model qwen2.5-coder-0.5b] [--lengths 2048,4096] [--tokens 24] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cacheclip_rag.cli import demo_chunks  # noqa: E402
+from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.models import load_model  # noqa: E402
+from cacheclip_rag.store import LMDBStore  # noqa: E402
+
+
+def chunks_of(engine: Engine, tokens: int) -> list[str]:
+    sections, out, total = demo_chunks(), [], 0
+    while total < tokens:
+        text = f"Part {len(out) + 1}. " + sections[len(out) % len(sections)]
+        out.append(text)
+        total += len(engine.primary.encode(text))
+    return out
+
+
+def engine_rate(engine: Engine, chunks: list[str], tokens: int) -> float:
+    options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1, prompt_stops=False)
+    plan, prefill = engine.prefill("What does the handbook say?", chunks, options)
+    stream = engine.decode(plan, prefill, options)
+    for _ in stream:
+        pass
+    return stream.answer.timings.decode_tokens_per_s
+
+
+def generate_rate(engine: Engine, chunks: list[str], tokens: int) -> float:
+    options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1)
+    ids = torch.tensor([engine.plan("What does the handbook say?", chunks, options).all_ids()])
+    model = engine.primary.model
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+
+    return tokens / max(1e-9, timed(tokens + 1) - timed(1))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--lengths", default="2048,4096")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    lm = load_model(args.model)
+    lm.model.generation_config.pad_token_id = lm.tokenizer.pad_token_id or lm.tokenizer.eos_token_id
+    path = tempfile.mkdtemp(prefix="cacheclip-bench-decode-")
+    engine = Engine(primary=lm, aux=None, store=LMDBStore(path), config=EngineConfig(store_path=path, aux=None))
+    rows = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        chunks = chunks_of(engine, length)
+        engine.ingest(chunks, progress=False)
+        engine_rate(engine, chunks, 2)  # warm
+        ours, theirs = [], []
+        for r in range(args.repeats):  # alternating, so load on the machine hits both
+            for name in (("engine", "generate") if r % 2 == 0 else ("generate", "engine")):
+                (ours if name == "engine" else theirs).append(
+                    (engine_rate if name == "engine" else generate_rate)(engine, chunks, args.tokens))
+        prompt = engine.plan("What does the handbook say?", chunks, RequestOptions()).length
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        rows.append({"model": args.model, "context": prompt, "engine_tok_s": statistics.median(ours),
+                     "generate_tok_s": statistics.median(theirs), "ratio": statistics.median(ratios),
+                     "ratios": ratios, "tokens": args.tokens, "repeats": args.repeats,
+                     "date": datetime.date.today().isoformat()})
+    print(f"\n{args.model}, {torch.get_num_threads()} threads, {args.tokens} decoded tokens, median of {args.repeats}")
+    print("| context tokens | engine tok/s | transformers generate tok/s | ratio (per repeat) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['engine_tok_s']:.2f} | {r['generate_tok_s']:.2f} | {r['ratio']:.2f} "
+              f"({', '.join(f'{x:.2f}' for x in r['ratios'])}) |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
