@@ -136,6 +136,132 @@ def compaction_beside_writer_run(runs: int) -> dict:
     return {"runs": runs, "lost": lost, "crashes": crashes, "refused": refused}
 
 
+def redis_eviction_run(rounds: int = 2) -> dict | None:
+    """Requests over a Redis tier far smaller than the chunk caches (allkeys-lru), with a reader process
+    reading every key meanwhile: requests that failed, and manifests left pointing at evicted parts."""
+    server, client, engine = _redis_engine("3mb", "allkeys-lru", part_bytes=16 << 10)
+    if server is None:
+        return None
+    import json
+
+    from cacheclip_rag.config import RequestOptions
+
+    try:
+        reader = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time, redis; from cacheclip_rag.redis_store import RedisStore\n"
+            "s = RedisStore(sys.argv[1]); c = redis.Redis(unix_socket_path=sys.argv[2]); end = time.time() + 600\n"
+            "while time.time() < end:\n"
+            "    keys = list(s.keys())\n    s.get_many(keys, 'x') if False else [s.contains(k) for k in keys]\n")],
+            server.unix_url.removeprefix("unix://"), cwd=ROOT)
+        failed = 0
+        groups = [[f"Paragraph {i} of group {g}: ship {1000 + i} logged at dawn. " * 3 for i in range(4)]
+                  for g in range(12)]
+        options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2)
+        requests = 0
+        for _ in range(rounds):
+            for chunks in groups:
+                requests += 1
+                try:
+                    engine.generate("Which ship came at dawn?", chunks, options)
+                except Exception:  # noqa: BLE001 - counted: a request must never fail
+                    failed += 1
+        reader.kill()
+        manifests = [(n, json.loads(v[8:])) for n in client.scan_iter(match=b"cacheclip:e:*")
+                     if (v := client.get(n)) is not None and v.startswith(b"CCPARTS1")]
+        stale = sum(client.exists(*[f"cacheclip:p:{n.split(b':')[2].decode()}:{m['token']}:{i}"
+                                     for i in range(m["parts"])]) != m["parts"] for n, m in manifests)
+        for name, _ in manifests:  # a read of each removes the stale ones
+            engine.store.contains(bytes.fromhex(name.split(b":")[2].decode()))
+        left = sum(1 for n in client.scan_iter(match=b"cacheclip:e:*")
+                   if (v := client.get(n)) is not None and v.startswith(b"CCPARTS1") and not all(
+                       client.exists(f"cacheclip:p:{n.split(b':')[2].decode()}:{m['token']}:{i}")
+                       for m in [json.loads(v[8:])] for i in range(m["parts"])))
+        return {"requests": requests, "failed": failed, "manifests": len(manifests), "stale": stale, "left": left}
+    finally:
+        server.kill()
+
+
+def _redis_engine(maxmemory: str, policy: str, part_bytes: int = 32 << 20):
+    try:
+        import redis
+
+        from tests.test_redis import RedisServer
+    except ImportError:
+        return None, None, None
+    from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.testing import tiny_model
+
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="cacheclip-stress-redis-")))
+    client = redis.Redis(unix_socket_path=server.sock)
+    client.config_set("maxmemory", maxmemory)
+    client.config_set("maxmemory-policy", policy)
+    lm = tiny_model("llama")
+    engine = Engine(primary=lm, aux=lm, store=RedisStore(server.unix_url, part_bytes=part_bytes),
+                    config=EngineConfig(store_path="/unused", system_prompt="Be brief.", store_dtype="float32"))
+    return server, client, engine
+
+
+def redis_writers_run(seconds: float = 15.0) -> dict | None:
+    """Two processes writing the same 40 multi-part entries for `seconds`: parts no manifest names after."""
+    try:
+        from tests.test_redis import RedisServer
+    except ImportError:
+        return None
+    import redis
+
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="cacheclip-stress-redis-")))
+    code = ("import sys, time; from cacheclip_rag.redis_store import RedisStore;"
+            "from tests.stress.workers import FINGERPRINT, synthetic_entry, synthetic_key;"
+            f"s = RedisStore(sys.argv[1], part_bytes=4096); end = time.monotonic() + {seconds}\n"
+            "while time.monotonic() < end:\n"
+            "    s.put_many([(synthetic_key(i), FINGERPRINT, synthetic_entry(i)) for i in range(40)])\n")
+    try:
+        writers = [subprocess.Popen([sys.executable, "-c", code, server.unix_url], cwd=ROOT) for _ in range(2)]
+        crashes = sum(w.wait() != 0 for w in writers)
+        client = redis.Redis(unix_socket_path=server.sock)
+        import json
+
+        live = {(n.split(b":")[2], json.loads(client.get(n)[8:])["token"].encode())
+                for n in client.scan_iter(match=b"cacheclip:e:*") if client.get(n).startswith(b"CCPARTS1")}
+        orphans = [n for n in client.scan_iter(match=b"cacheclip:p:*") if tuple(n.split(b":")[2:4]) not in live]
+        return {"seconds": seconds, "crashes": crashes, "entries": len(live), "orphaned_parts": len(orphans),
+                "orphaned_bytes": sum(client.strlen(n) for n in orphans)}
+    finally:
+        server.kill()
+
+
+def capped_store_run(requests: int = 20) -> dict:
+    """A store at its 1 MiB cap answering requests of every method: failures, and the answers' agreement
+    with an uncapped store's."""
+    from cacheclip_rag.config import EngineConfig, RequestOptions
+    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.store import StoreFullError
+    from cacheclip_rag.testing import tiny_model
+
+    lm = tiny_model("llama")
+    capped = LMDBStore(Path(tempfile.mkdtemp(prefix="cacheclip-capped-")), map_size=1 << 20, max_bytes=1 << 20)
+    try:
+        write(capped, 0, 400)
+    except StoreFullError:
+        pass
+    engines = [Engine(primary=lm, aux=lm, store=store, config=EngineConfig(store_path="/unused", system_prompt="Be brief."))
+               for store in (capped, LMDBStore(Path(tempfile.mkdtemp(prefix="cacheclip-uncapped-"))))]
+    failed = differ = 0
+    methods = ("shared_prefix", "cacheclip", "cacheblend", "ape", "direct")
+    for i in range(requests):
+        chunks = [f"Note {i}.{j}: the lamp was lit at {j + 6} in the evening." * 2 for j in range(3)]
+        options = RequestOptions(method=methods[i % len(methods)], ratio=0.3, max_new_tokens=3)
+        try:
+            got = engines[0].generate("When was the lamp lit?", chunks, options)
+        except Exception:  # noqa: BLE001 - counted: a request must still be answered
+            failed += 1
+            continue
+        differ += got.token_ids != engines[1].generate("When was the lamp lit?", chunks, options).token_ids
+    return {"requests": requests, "failed": failed, "differ": differ}
+
+
 def ingest_twice_run() -> dict | None:
     import importlib.util
 
@@ -173,7 +299,20 @@ def main() -> int:
     dead = killed_readers_run(args.runs)
     compaction = compaction_beside_writer_run(max(1, args.runs // 2))
     ingest = None if args.no_ingest else ingest_twice_run()
+    eviction, writers, capped = redis_eviction_run(), redis_writers_run(), capped_store_run()
     print("| scenario | runs | entries lost | crashes | notes |\n|---|---|---|---|---|")
+    if eviction is not None:
+        print(f"| requests over a 3 MB Redis tier (allkeys-lru) with a reader process | {eviction['requests']} requests | "
+              f"- | {eviction['failed']} failed | {eviction['stale']} of {eviction['manifests']} manifests pointed at "
+              f"evicted parts after the stream (evicted after their last read), {eviction['left']} after one read of "
+              "each (was 13 of 40 requests failed, 76 of 90 manifests stale, never healed) |")
+    if writers is not None:
+        print(f"| two Redis writers of the same 40 entries for {writers['seconds']:.0f} s | 1 | 0 | {writers['crashes']} | "
+              f"{writers['orphaned_parts']} orphaned parts ({writers['orphaned_bytes']:,} bytes) left for "
+              f"{writers['entries']} live entries (was 55,535 parts, 222.8 MiB) |")
+    print(f"| a store at its 1 MiB cap under requests of every method | {capped['requests']} requests | - | "
+          f"{capped['failed']} failed | {capped['differ']} answers differ from an uncapped store's (shared_prefix and "
+          "cacheclip raised StoreFullError before) |")
     print(f"| 3 reader threads + 1 writer thread, one store, map grown from 1 MiB | {threads['runs']} | "
           f"{threads['lost']} | {threads['crashes']} | was a segfault in 4 of 4 runs |")
     print(f"| reader SIGKILLed inside a transaction, then the same 50 entries rewritten | {dead['runs']} | {dead['lost']} | "

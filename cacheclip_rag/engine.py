@@ -113,6 +113,10 @@ class Engine:
         """Record that `owner` (a framework's node) uses `text`'s caches, inside `group` (its document)."""
         self.store.retain(owner, self.chunk_keys(text), group)
 
+    def owners_of(self, group: str) -> list[str]:
+        """The owners `retain` recorded in `group` (a document's nodes)."""
+        return self.store.owners_of(group)
+
     def release(self, owners: Sequence[str] = (), group: str | None = None) -> int:
         """Forget `owners` (or every owner in `group`); caches no other owner uses are deleted. Returns
         how many entries went."""

@@ -1,7 +1,7 @@
 """Write each example script's notebook twin: `# %%` starts a code cell, `# %% [markdown]` a markdown
 cell. The tests check that every notebook holds exactly its script's cells. `--execute` runs each
 notebook (nbclient, an ipykernel) so it is committed with its outputs and plots inline:
-    python examples/make_notebooks.py --execute"""
+    python examples/make_notebooks.py --execute [--only a.py,b.py]"""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def notebook(script: str) -> nbformat.NotebookNode:
 
 def main() -> int:
     execute = "--execute" in sys.argv[1:]
-    for name in SCRIPTS:
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else SCRIPTS
+    for name in only:
         path = HERE / name
         nb = notebook(path.read_text())
         if execute:

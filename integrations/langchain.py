@@ -134,14 +134,20 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
     override them per call."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    engine: Engine = Field(exclude=True, repr=False)  # a repr of it is the whole model tree
+    # an Engine, or a RemoteEngine for a running `cacheclip serve` (pass its URL); a repr of an Engine is
+    # the whole model tree
+    engine: Any = Field(exclude=True, repr=False)
     method: str = "cacheclip"
     ratio: float = 0.2
     max_new_tokens: int = 64
     temperature: float = 0.0
     return_sources: bool = False
 
-    def __init__(self, engine: Engine, options: RequestOptions | None = None, **fields: Any):
+    def __init__(self, engine: Engine | str, options: RequestOptions | None = None, api_key: str | None = None,
+                 **fields: Any):
+        from cacheclip_rag.serve.client import engine_or_remote
+
+        engine = engine_or_remote(engine, api_key)
         if options is not None:
             fields = {"method": options.method, "ratio": options.ratio, "max_new_tokens": options.max_new_tokens,
                       "temperature": options.temperature, **fields}

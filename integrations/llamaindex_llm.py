@@ -40,13 +40,18 @@ class CacheClipLLM(CustomLLM):
     method: str = "cacheclip"
     ratio: float = 0.2
     engine_config: dict = {}
-    _engine: Engine = PrivateAttr()
+    _engine: Any = PrivateAttr()  # an Engine, or a RemoteEngine (a running `cacheclip serve`)
 
-    def __init__(self, engine: Engine | None = None, **kwargs: Any):
+    def __init__(self, engine: Engine | str | None = None, **kwargs: Any):
+        from cacheclip_rag.serve.client import RemoteEngine, engine_or_remote
+
         if engine is None:
-            if not kwargs.get("engine_config"):
+            config = kwargs.get("engine_config")
+            if not config:
                 raise ValueError("CacheClipLLM needs an engine, or an engine_config to build one from")
-            engine = Engine.from_config(EngineConfig(**kwargs["engine_config"]))
+            engine = RemoteEngine(config["url"], model=config.get("model", "cacheclip")) if "url" in config else \
+                Engine.from_config(EngineConfig(**config))
+        engine = engine_or_remote(engine, kwargs.pop("api_key", None))
         kwargs["engine_config"] = _config_dict(engine)
         super().__init__(**kwargs)
         self._engine = engine

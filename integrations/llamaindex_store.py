@@ -63,7 +63,7 @@ class CacheClipVectorStore(BasePydanticVectorStore):
     stores_text: bool = False
     is_embedding_query: bool = True
     _inner: BasePydanticVectorStore = PrivateAttr()
-    _engine: Engine = PrivateAttr()
+    _engine: Any = PrivateAttr()  # an Engine, or a RemoteEngine (a running `cacheclip serve`)
 
     def __init__(self, inner: BasePydanticVectorStore, engine: Engine, **kwargs: Any):
         super().__init__(stores_text=inner.stores_text, is_embedding_query=inner.is_embedding_query, **kwargs)
@@ -89,7 +89,7 @@ class CacheClipVectorStore(BasePydanticVectorStore):
     def delete(self, ref_doc_id: str, **kwargs: Any) -> None:
         """The document's nodes out of `inner` (by node id where the hook recorded them: stores such as
         FaissMapVectorStore delete only by node id), then its caches released."""
-        owners = self._engine.store.owners_of(ref_doc_id)
+        owners = self._engine.owners_of(ref_doc_id)
         if owners:
             try:
                 self._inner.delete_nodes(owners)

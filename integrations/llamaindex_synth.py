@@ -36,8 +36,14 @@ class CacheClipSynthesizer(BaseSynthesizer):
     them per call. The response's `metadata["cacheclip"]` holds method, ratio, token counts and
     timings (filled when a stream ends)."""
 
-    def __init__(self, engine: Engine, options: RequestOptions | None = None, streaming: bool = False,
-                 text_qa_template: PromptTemplate | None = None, callback_manager: CallbackManager | None = None):
+    def __init__(self, engine: Engine | str, options: RequestOptions | None = None, streaming: bool = False,
+                 text_qa_template: PromptTemplate | None = None, callback_manager: CallbackManager | None = None,
+                 api_key: str | None = None):
+        """`engine`: an in-process `Engine`, or the URL of a running `cacheclip serve` (no model in this
+        process; `api_key` for it)."""
+        from cacheclip_rag.serve.client import engine_or_remote
+
+        engine = engine_or_remote(engine, api_key)
         self._engine = engine
         self._options = options or RequestOptions(max_new_tokens=64)
         super().__init__(llm=CacheClipLLM(engine, max_new_tokens=self._options.max_new_tokens,

@@ -175,3 +175,15 @@ def test_host_tier_pins_what_it_holds(tmp_path):
         store.put(b"k" * 32, "m", ChunkEntry(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), tuple(range(5)), ()))
         tier = HostTier(store, 1 << 20)
         assert tier.pin and tier.get_many([b"k" * 32], "m")[0].keys.is_pinned()
+
+
+def test_kernel_steps_need_no_lmdb():
+    """The GPU machine has no lmdb wheel unless one travels: the kernel benchmark and the engine's
+    imports must not need it (only opening a store does)."""
+    code = ("import sys; sys.modules['lmdb'] = None\n"
+            "import cacheclip_rag.kernels.selected_attention, cacheclip_rag.engine, cacheclip_rag.tier\n"
+            "import runpy; sys.argv = ['bench_kernel.py', '--help']\n"
+            "try:\n    runpy.run_path('bench/bench_kernel.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('imported without lmdb')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "imported without lmdb" in proc.stdout, proc.stderr[-2000:]

@@ -381,3 +381,24 @@ def test_two_servers_on_one_redis_one_ingests_the_other_reuses(tmp_path):
             one.choices[0].message.content
     finally:
         redis_server.kill()
+
+
+def test_the_integrations_take_a_server_url_instead_of_an_engine(live, engine):
+    """An app with no model in its process: CacheClipSynthesizer and CacheClipGenerate on the server's
+    URL answer as they do on the in-process engine."""
+    pytest.importorskip("llama_index.core")
+    pytest.importorskip("langchain_core")
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from cacheclip_rag.integrations.langchain import CacheClipGenerate
+    from cacheclip_rag.integrations.llamaindex import CacheClipSynthesizer
+
+    url, _ = live
+    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=5)
+    nodes = [NodeWithScore(node=TextNode(text=t), score=1.0) for t in CHUNKS]
+    remote = CacheClipSynthesizer(url, options, api_key=KEY).synthesize(QUESTION, nodes)
+    local = CacheClipSynthesizer(engine, options).synthesize(QUESTION, nodes)
+    assert str(remote) == str(local) and remote.metadata["cacheclip"]["method"] == "cacheclip"
+    chain_input = {"docs": CHUNKS, "question": QUESTION}
+    assert CacheClipGenerate(url, options, api_key=KEY).invoke(chain_input) == \
+        CacheClipGenerate(engine, options).invoke(chain_input)

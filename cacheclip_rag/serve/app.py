@@ -195,7 +195,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def models(request: Request) -> dict:
         server.authorise(request)
         return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": server.created,
-                                            "owned_by": "cacheclip", "primary": engine.primary.name}]}
+                                            "owned_by": "cacheclip", "primary": engine.primary.name,
+                                            "context_window": engine.primary.max_context,
+                                            "system_prompt": engine.config.system_prompt}]}
 
     @app.post("/v1/ingest")
     async def ingest(request: Request) -> dict:

@@ -1,0 +1,157 @@
+"""Cross-model KV transfer on a real same-family pair: Qwen2.5-Coder-0.5B-Instruct <-> -1.5B-Instruct
+(identical tokenizers; 24 vs 28 layers, 2 KV heads, head dim 64 vs 128), both directions.
+
+Calibration as the post does it: both models prefill the same texts (a few hundred, ~`--tokens` each),
+keys RoPE-stripped, the top-k source layers per target layer by R², a closed-form ridge map per target
+layer; held-out R² for keys and values; the gate's verdict. Then on RULER samples (`--length`, several
+tasks): the source holds the document's cache (it was serving the conversation) and the target either
+re-prefills it or takes the transferred cache (`Conversation.hand_off`), reads the question, answers.
+Measured: next-token agreement after the question; KL(re-prefill || transfer) teacher-forced along the
+re-prefill's greedy answer; NIAH score of both answers (retention = transfer / re-prefill); the speed-up
+of the hand-off over the target's re-prefill. Writes bench/results/transfer_qwen.json.
+
+    python bench/bench_transfer_qwen.py [--texts 200] [--tokens 256] [--length 1024] [--samples 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_transfer import calibration_texts  # noqa: E402
+
+from cacheclip_rag.evaluation import ruler  # noqa: E402
+from cacheclip_rag.models import LoadedModel, load_model  # noqa: E402
+from cacheclip_rag.transfer import Conversation, TransferConfig, calibrate  # noqa: E402
+from cacheclip_rag.transfer import mapper as mapper_module  # noqa: E402
+
+TASKS = ("single1", "single2", "single3", "multikey1")
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p, q = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def greedy(conv: Conversation, budget: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The conversation's greedy answer, and its logits before each answer token."""
+    tokens, logits = [], []
+    for _ in range(budget):
+        step = conv.logits.clone()
+        token = int(step.argmax())
+        tokens.append(token)
+        logits.append(step)
+        if token in conv.lm.eos_token_ids or "\n" in conv.lm.tokenizer.decode(tokens):
+            break
+        conv._run([token], conv.length)
+        conv.ids.append(token)
+    return tokens, logits
+
+
+def measure(source: LoadedModel, target: LoadedModel, mapper, task: str, length: int, seed: int) -> dict:
+    count = lambda s: len(target.encode(s))  # noqa: E731
+    sample = ruler.generate(task, length, seed, count)
+    question = f"\n\nQuestion: {sample.question}\nAnswer:{sample.answer_prefix}"
+    capacity = length * 2 + 256
+    held = Conversation.start(source, capacity)
+    held.add(sample.context)  # the source already holds this cache when the switch happens
+    t0 = time.perf_counter()
+    handed = held.hand_off(target, mapper, force=True)
+    transfer_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fresh = Conversation.start(target, capacity)
+    fresh.add(sample.context)
+    prefill_s = time.perf_counter() - t0
+    again = held.hand_off(target, mapper, force=True)  # a second copy, teacher-forced below
+    for conv in (handed, fresh, again):
+        conv.add(question)
+    agree = int(handed.logits.argmax()) == int(fresh.logits.argmax())
+    budget = max(len(target.encode(r)) for r in sample.references) + 8
+    answer, fresh_logits = greedy(fresh, budget)
+    forced = []
+    for token, reference in zip(answer, fresh_logits):  # along the re-prefill's own answer
+        forced.append(kl(reference, again.logits))
+        again._run([token], again.length)
+        again.ids.append(token)
+    transferred = handed.reply(budget)
+    return {"task": task, "seed": seed, "tokens": fresh.length, "prefill_s": prefill_s, "transfer_s": transfer_s,
+            "agree": agree, "tf_kl": statistics.fmean(forced),
+            "niah_transfer": ruler.score(transferred, sample.references),
+            "niah_reprefill": ruler.score(target.tokenizer.decode(answer), sample.references)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--texts", type=int, default=200)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--samples", type=int, default=12, help="RULER samples per direction (over the tasks)")
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "transfer_qwen.json"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    small, large = load_model("qwen2.5-coder-0.5b"), load_model("qwen2.5-coder-1.5b")
+    # each text's KV in each model is computed once and serves both directions
+    computed, text_kv = {}, mapper_module.text_kv
+
+    def remembered(lm, text):
+        key = (lm.name, text)
+        if key not in computed:
+            computed[key] = text_kv(lm, text)
+        return computed[key]
+
+    mapper_module.text_kv = remembered
+    texts = calibration_texts(args.texts, args.tokens)
+    config = TransferConfig(top_k=args.top_k)
+    rows, samples = [], {}
+    for source, target in ((small, large), (large, small)):
+        t0 = time.perf_counter()
+        mapper = calibrate(source, target, texts, config)
+        calibration_s = time.perf_counter() - t0
+        v = mapper.validation
+        results = [measure(source, target, mapper, TASKS[i % len(TASKS)], args.length, i) for i in range(args.samples)]
+        samples[f"{source.name}->{target.name}"] = results
+        reprefill = statistics.fmean(r["niah_reprefill"] for r in results)
+        transferred = statistics.fmean(r["niah_transfer"] for r in results)
+        rows.append({"source": source.name, "target": target.name, "r2_keys": statistics.fmean(v["key_r2"]),
+                     "r2_values": statistics.fmean(v["value_r2"]), "gate": "pass" if mapper.gate_r2 >= mapper.min_r2
+                     else "refused", "next_token_agree": statistics.fmean(r["agree"] for r in results),
+                     "tf_kl": statistics.fmean(r["tf_kl"] for r in results), "niah_transfer": transferred,
+                     "niah_reprefill": reprefill, "retention": transferred / reprefill if reprefill else math.nan,
+                     "speedup": statistics.fmean(r["prefill_s"] for r in results) /
+                     statistics.fmean(r["transfer_s"] for r in results),
+                     "n": len(results), "date": datetime.date.today().isoformat(),
+                     "_calibration_s": calibration_s, "_min_r2": mapper.min_r2,
+                     "_key_r2_min": min(v["key_r2"]), "_value_r2_min": min(v["value_r2"])})
+        print(rows[-1], flush=True)
+    print(f"\ncalibration: {args.texts} texts x ~{args.tokens} tokens, top-{args.top_k} source layers, 20% held out; "
+          f"RULER {args.length} tokens, tasks {', '.join(TASKS)}; n = {args.samples} per direction")
+    print("| source -> target | key R² mean (min) | value R² mean (min) | gate | next-token agree | teacher-forced KL | "
+          "NIAH re-prefill | NIAH transfer | retention | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['source']} -> {r['target']} | {r['r2_keys']:.3f} ({r['_key_r2_min']:.3f}) | {r['r2_values']:.3f} "
+              f"({r['_value_r2_min']:.3f}) | {r['gate']} | {r['next_token_agree']:.2f} | {r['tf_kl']:.3f} | "
+              f"{r['niah_reprefill']:.2f} | {r['niah_transfer']:.2f} | {r['retention']:.2f} | {r['speedup']:.1f}x |")
+    if args.json:
+        out = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+        Path(args.json).write_text(json.dumps({"rows": out, "samples": samples,
+                                               "details": [{k: v for k, v in r.items() if k.startswith("_")}
+                                                           for r in rows]}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
