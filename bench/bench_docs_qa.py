@@ -16,6 +16,9 @@ from datetime import date
 from importlib import metadata
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
 DOCS = ("faiss-cpu", "tqdm", "xxhash", "safetensors")
 MAX_CHARS = 6000  # each description's opening: the prose part, before the long API references
 QUESTIONS = (

@@ -147,12 +147,12 @@ def redis_eviction_run(rounds: int = 2) -> dict | None:
     from cacheclip_rag.config import RequestOptions
 
     try:
-        reader = subprocess.Popen([sys.executable, "-c", (
-            "import sys, time, redis; from cacheclip_rag.redis_store import RedisStore\n"
-            "s = RedisStore(sys.argv[1]); c = redis.Redis(unix_socket_path=sys.argv[2]); end = time.time() + 600\n"
-            "while time.time() < end:\n"
-            "    keys = list(s.keys())\n    s.get_many(keys, 'x') if False else [s.contains(k) for k in keys]\n")],
-            server.unix_url.removeprefix("unix://"), cwd=ROOT)
+        reading = ("import sys, time; from cacheclip_rag.redis_store import RedisStore\n"
+                   "s = RedisStore(sys.argv[1]); end = time.time() + 600\n"
+                   "while time.time() < end:\n"
+                   "    for k in list(s.keys()):\n"
+                   "        s.contains(k)\n")  # every manifest read again and again: kept recently used
+        reader = subprocess.Popen([sys.executable, "-c", reading, server.unix_url], cwd=ROOT)
         failed = 0
         groups = [[f"Paragraph {i} of group {g}: ship {1000 + i} logged at dawn. " * 3 for i in range(4)]
                   for g in range(12)]

@@ -35,6 +35,9 @@ class PositionedLayer(CacheLayerMixin):
         if self.owner.wait_for_layer is not None:  # its rows may still be arriving (layer-wise loading)
             self.owner.wait_for_layer(self.index)
         positions = self.owner.write_positions  # [T]
+        if self.index in self.owner.stale_layers:  # diagnostic: rows before `stale_before` keep what was loaded
+            fresh = positions >= self.owner.stale_before
+            positions, key_states, value_states = positions[fresh], key_states[:, :, fresh], value_states[:, :, fresh]
         self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
         n = self.owner.visible_length
@@ -63,6 +66,9 @@ class BlendedCache(Cache):
         # set while a layer-wise load is in flight: called with a layer's index before the layer is used
         self.wait_for_layer: Callable[[int], None] | None = None
         self.from_store: torch.Tensor | None = None  # [capacity] bool: rows read from the store (blended caches)
+        # diagnostic (RequestOptions.recompute_layers): in these layers, forwards leave rows < stale_before as they are
+        self.stale_layers: frozenset[int] = frozenset()
+        self.stale_before = 0
         self.write_positions = torch.zeros(0, dtype=torch.long, device=keys[0].device)
         self.visible_length = 0
         # one [L, B, KV, N, D] buffer behind all layers (when built that way): a chunk's rows are placed

@@ -22,6 +22,7 @@ METHODS = ("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", 
 # APE (Yang et al., ICLR 2025): attention temperature and scaling factor on the parallel-encoded chunks
 APE_TEMPERATURE = 0.9
 APE_SCALE = 0.9
+RECOMPUTE_LAYERS = ("all", "sliding", "global")  # RequestOptions.recompute_layers
 
 
 def check_dtype(value: object, names: tuple[str, ...] = DTYPE_NAMES) -> None:
@@ -143,6 +144,12 @@ class RequestOptions:
     system_prompt: str | None = None  # this request's shared prefix (default the engine's); chunks are cached behind each
     ape_temperature: float = APE_TEMPERATURE  # method "ape": chunk logits are divided by it (< 1 sharpens)
     ape_scale: float = APE_SCALE  # method "ape": the chunks' share of attention is raised to scale x temperature
+    # cacheclip: None, the paper's selection (separators rank last); k >= 0: each scored chunk's seam (its
+    # separator tokens) and its first k tokens are recomputed first, out of the same budget (EPIC's observation)
+    boundary_tokens: int | None = None
+    # diagnostic: the layers whose recomputed chunk rows are written back ("sliding": the sliding-window
+    # layers only, "global": the full-attention layers only); elsewhere the stored rows stay as loaded
+    recompute_layers: str = "all"
 
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens)
@@ -174,5 +181,11 @@ class RequestOptions:
         for name in ("ape_temperature", "ape_scale"):
             if not 0.0 < getattr(self, name) <= 4.0:
                 raise ValueError(f"{name} must be in (0, 4], got {getattr(self, name)}")
+        if self.boundary_tokens is not None:
+            _require_int("boundary_tokens", self.boundary_tokens)
+            if self.boundary_tokens < 0:
+                raise ValueError(f"boundary_tokens must be >= 0 (or None), got {self.boundary_tokens}")
+        if self.recompute_layers not in RECOMPUTE_LAYERS:
+            raise ValueError(f"recompute_layers must be one of {', '.join(RECOMPUTE_LAYERS)}, got {self.recompute_layers!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

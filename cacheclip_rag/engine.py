@@ -7,6 +7,7 @@ the models and the store and the building blocks the methods share.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -18,19 +19,20 @@ import torch
 from .align import map_selection
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
-from .config import EngineConfig, RequestOptions, check_text, is_redis_url
+from .config import EngineConfig, RequestOptions, is_redis_url
 from .decode import decode_tokens, text_deltas
 from .group import grouped_to_budget
-from .ingest import (DIRECT, SHARED, FormattedPrefix, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into, new_cache, precompute,
-                     storage_dtype, validate_chunks)
+from .ingest import (DIRECT, SHARED, FormattedPrefix, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into,
+                     new_cache, precompute, storage_dtype)
 from .layerwise import LayerStream, cuda_layer_stream, load_layerwise
-from .models import LoadedModel, int8_scorer, load_model
+from .models import LoadedModel, int8_scorer, layer_types, load_model
 from .recompute import forward_at, recompute
 from .rope import rotate_keys_
 from .methods import PREFILLS, side_stream
+from .planning import plan_chunks, plan_layout
 from .recognize import Layout, StoreIndex, layout
 from .request import Answer, Plan, Prefill, Stream, Timings
-from .select import aux_scores, question_tokens, top_k_candidates
+from .select import aux_scores, boundary_selection, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
 from .tier import DeviceTier, HostTier
 
@@ -82,18 +84,22 @@ class Engine:
 
     # ---- ingest ------------------------------------------------------------------------------
 
-    def ingest(self, texts: Sequence[str], progress: bool = True, direct: bool = False) -> list[bytes]:
+    def ingest(self, texts: Sequence[str], progress: bool = True, direct: bool = False,
+               system_prompt: str | FormattedPrefix | None = None, bare: bool = False) -> list[bytes]:
         """Precompute and store every chunk for the primary (behind the shared prefix) and the aux;
         `direct=True` also stores the chunks computed alone (only the `direct` baseline reads them,
-        and it computes them on a miss anyway)."""
-        keys = precompute(self.primary, self.store, texts, self.config.system_prompt, SHARED,
-                          self.config.ingest_batch_size, progress, self.store_dtype(self.primary))
+        and it computes them on a miss anyway). `system_prompt`: the prefix to compute behind (default
+        the engine's; a FormattedPrefix: the exact text a client's prompt starts with, for `serve`);
+        `bare=True` also stores each chunk as it ends a message (without the separator)."""
+        prefix = system_prompt or self.config.system_prompt
+        keys = precompute(self.primary, self.store, texts, prefix, SHARED,
+                          self.config.ingest_batch_size, progress, self.store_dtype(self.primary), bare)
         if direct:
-            precompute(self.primary, self.store, texts, self.config.system_prompt, DIRECT,
+            precompute(self.primary, self.store, texts, prefix, DIRECT,
                        self.config.ingest_batch_size, progress, self.store_dtype(self.primary))
         if self.aux is not None:
-            precompute(self.aux, self.store, texts, self.config.system_prompt, SHARED,
-                       self.config.ingest_batch_size, progress, self.store_dtype(self.aux))
+            precompute(self.aux, self.store, texts, prefix, SHARED,
+                       self.config.ingest_batch_size, progress, self.store_dtype(self.aux), bare)
         self.store.remember_texts(texts)  # a server finds these texts inside its clients' prompts
         return keys
 
@@ -136,29 +142,8 @@ class Engine:
     # ---- request path ------------------------------------------------------------------------
 
     def plan(self, question: str, texts: Sequence[str], options: RequestOptions) -> Plan:
-        validate_chunks(texts)
-        if not isinstance(question, str):
-            raise TypeError(f"question must be a string, got {type(question).__name__}")
-        if not question.strip():
-            raise ValueError("question is empty")
-        check_text("question", question)
-        lm = self.primary
-        system_prompt = options.system_prompt or self.config.system_prompt
-        prefix_ids = lm.encode_prefix(lm.prompt.prefix(system_prompt))
-        question_ids = lm.encode(lm.prompt.question(question, options.answer_prefix))
-        limit = lm.max_context
-        if len(question_ids) + len(prefix_ids) >= limit:
-            raise ValueError(f"question of {len(question_ids)} tokens does not fit the model's context of {limit}")
-        encoded = [lm.encode_with_offsets(chunk_unit(lm, t)) for t in texts]
-        chunk_ids = tuple(tuple(ids) for ids, _ in encoded)
-        char_spans = tuple(tuple(spans) for _, spans in encoded)
-        plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, char_spans, tuple(question_ids), question, system_prompt)
-        if plan.length + options.max_new_tokens > limit:
-            raise ValueError(
-                f"blended prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
-                f"exceeds the model's context of {limit} tokens"
-            )
-        return plan
+        """The engine's own layout of a request: prefix, each chunk with its separator, the question."""
+        return plan_chunks(self.primary, question, texts, options, options.system_prompt or self.config.system_prompt)
 
     def stream(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Stream:
         """Answer `question` over `texts`; iterate the result for text pieces as they decode."""
@@ -216,37 +201,8 @@ class Engine:
         return self.stream_plan(plan, options, started)
 
     def plan_layout(self, layout: Layout, options: RequestOptions) -> Plan:
-        """The plan of a prompt a client wrote, as `recognize` found it: its text before the first stored
-        chunk is the shared prefix (chunks are cached behind it, once), each chunk is read from the
-        store (stored with the model's separator when the prompt has it after the chunk, else alone),
-        the text between chunks and after the last one is computed as the question is."""
-        validate_chunks(layout.chunks)
-        if len(layout.between) != len(layout.chunks):
-            raise ValueError(f"a layout needs the text after each of its {len(layout.chunks)} chunks")
-        lm = self.primary
-        separator = lm.prompt.chunk_separator
-        bare, gaps, chunk_ids, spans = [], [], [], []
-        afters = [*layout.between[:-1], layout.tail]  # the last chunk is followed by the rest of the prompt
-        for i, (text, after) in enumerate(zip(layout.chunks, afters)):
-            joined = bool(separator) and after.startswith(separator)  # then the stored unit ends with it
-            ids, offsets = lm.encode_with_offsets(chunk_unit(lm, text, not joined))
-            rest = after[len(separator):] if joined else after
-            bare.append(not joined)
-            chunk_ids.append(tuple(ids))
-            spans.append(tuple(offsets))
-            if i < len(afters) - 1:
-                gaps.append(tuple(lm.encode(rest)) if rest else ())
-            else:
-                gaps.append(())
-                tail = rest
-        plan = Plan(tuple(layout.chunks), tuple(lm.encode_prefix(layout.head)), tuple(chunk_ids), tuple(spans),
-                    tuple(lm.encode(tail)), layout.question, FormattedPrefix(layout.head), tuple(bare), tuple(gaps))
-        if not plan.question_ids:
-            raise ValueError("the prompt ends with a stored chunk: nothing follows it to answer")
-        if plan.length + options.max_new_tokens > lm.max_context:
-            raise ValueError(f"prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
-                             f"exceeds the model's context of {lm.max_context} tokens")
-        return plan
+        """The plan of a prompt a client wrote, as `recognize` found it (see `planning.plan_layout`)."""
+        return plan_layout(self.primary, layout, options)
 
     def decode(self, plan: Plan, prefill: Prefill, options: RequestOptions, started: float | None = None) -> Stream:
         """Decode from a prefill; TTFT counts from `started` (default: now)."""
@@ -353,13 +309,27 @@ class Engine:
             cache.from_store[offset : offset + len(ids)] = read
         return cache
 
-    def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor) -> torch.Tensor:
+    def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor,
+                             options: RequestOptions | None = None) -> torch.Tensor:
         """Recompute the chunk rows at `positions` together with the text between chunks (a client's own
-        layout) and the question; next-token logits."""
+        layout) and the question; next-token logits. `options.recompute_layers` (a diagnostic) writes the
+        recomputed chunk rows back only in that kind of layer."""
         positions = torch.cat([positions, plan.gap_positions()]).sort().values if plan.has_gaps else positions.sort().values
         positions = torch.cat([positions, plan.question_positions()])
         ids = torch.tensor(plan.all_ids())[positions]
-        return recompute(self.primary.model, cache, ids, positions, kernel=self.kernel)
+        which = options.recompute_layers if options is not None else "all"
+        if which != "all":
+            kinds = layer_types(self.primary.model)
+            if "sliding_attention" not in kinds or plan.has_gaps:
+                raise ValueError(f"recompute_layers={which!r} needs a primary with sliding-window layers and the "
+                                 f"engine's own layout ({self.primary.name} has {sorted(set(kinds))})")
+            keep = "full_attention" if which == "sliding" else "sliding_attention"
+            cache.stale_layers = frozenset(i for i, kind in enumerate(kinds) if kind == keep)
+            cache.stale_before = plan.question_start
+        try:
+            return recompute(self.primary.model, cache, ids, positions, kernel=self.kernel)
+        finally:
+            cache.stale_layers = frozenset()
 
     def aux_selection(self, plan: Plan, options: RequestOptions) -> list[torch.Tensor]:
         """Per chunk, the primary tokens CacheClip recomputes: aux scores -> grouped to the budget ->
@@ -371,6 +341,11 @@ class Engine:
         prefix, entries = self.entries(aux, plan.texts, SHARED, plan.system_prompt, plan.bare or None)
         question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
         skip = 1 if options.shared_prefix else 0
+        forced, ratio = None, options.ratio
+        if options.boundary_tokens is not None and 0.0 < options.ratio < 1.0:
+            forced = boundary_selection(plan, options.boundary_tokens, skip, options.ratio)
+            total = sum(len(ids) for ids in plan.chunk_ids)
+            ratio = max(0.0, (math.ceil(options.ratio * total - 1e-9) - sum(int(f.sum()) for f in forced)) / total)
         with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
             scored = (aux_scores(aux, prefix, entries[skip:], question_ids, question_rows, model=self.aux_scorer)
                       if len(entries) > skip else [])
@@ -382,13 +357,13 @@ class Engine:
             # (their cached K/V lack cross-chunk attention too, so ratio 1 still recomputes them)
             score[out & torch.isfinite(score)] = -1e30
         if options.grouping:
-            chosen = grouped_to_budget(scores, options.ratio, self.config.window, self.config.threshold,
-                                       options.exact_budget)
+            chosen = grouped_to_budget(scores, ratio, self.config.window, self.config.threshold, options.exact_budget)
         else:
-            chosen = top_k_candidates(scores, options.ratio)
+            chosen = top_k_candidates(scores, ratio)
         bare = plan.bare or (False,) * len(plan.texts)
-        return [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text, b)))
-                for text, b, entry, c, spans in zip(plan.texts, bare, entries, chosen, plan.char_spans)]
+        mapped = [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text, b)))
+                  for text, b, entry, c, spans in zip(plan.texts, bare, entries, chosen, plan.char_spans)]
+        return mapped if forced is None else [m | f for m, f in zip(mapped, forced)]
 
     def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
         parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]

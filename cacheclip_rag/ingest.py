@@ -180,14 +180,18 @@ def precompute(
     lm: LoadedModel,
     store: KVStore,
     texts: Sequence[str],
-    system_prompt: str,
+    system_prompt: str | FormattedPrefix,
     variant: str = SHARED,
     batch_size: int = 4,
     progress: bool = True,
     store_dtype: torch.dtype | None = None,
+    bare: bool = False,
 ) -> list[bytes]:
     """Compute and store each chunk's KV (behind the shared prefix, or alone for `direct`), in
-    `store_dtype` (default: the model's own; see `storage_dtype`).
+    `store_dtype` (default: the model's own; see `storage_dtype`). `bare=True` also stores each chunk
+    without its separator (how a client's prompt holds the chunk it ends a message with), cut from the
+    same forward: attention is causal, so the chunk's rows do not depend on the separator after them
+    (a chunk whose own tokens change when the separator follows is left to be computed on first use).
 
     Idempotent: chunks already stored are not recomputed. Returns the store keys in input order.
     """
@@ -196,10 +200,26 @@ def precompute(
         raise ValueError(f"variant must be {SHARED!r} or {DIRECT!r}, got {variant!r}")
     prefix = prefix_cache(lm, store, system_prompt)
     keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
-    todo = list({k: chunk_unit(lm, t) for k, t in zip(keys, texts) if not store.contains(k)}.items())
-    for batch, entries in _computed(lm, prefix, todo, variant, batch_size, store_dtype, progress):
-        store.put_many([(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)])
+    bare_keys = {k: chunk_key(lm, prefix.token_ids, t, variant, bare=True) for k, t in zip(keys, texts)} if bare else {}
+    todo = {k: chunk_unit(lm, t) for k, t in zip(keys, texts) if not store.contains(k)}
+    todo.update({k: chunk_unit(lm, t) for k, t in zip(keys, texts) if k in bare_keys and not store.contains(bare_keys[k])})
+    texts_of = dict(zip(keys, texts))
+    for batch, entries in _computed(lm, prefix, list(todo.items()), variant, batch_size, store_dtype, progress):
+        items = [(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)]
+        items += [(bare_keys[k], lm.fingerprint.digest, cut) for (k, _), e in zip(batch, entries) if k in bare_keys
+                  for cut in [without_separator(lm, texts_of[k], e)] if cut is not None]
+        store.put_many(items)
     return keys
+
+
+def without_separator(lm: LoadedModel, text: str, entry: ChunkEntry) -> ChunkEntry | None:
+    """The entry of `text` alone, cut from the entry of `text` + separator, when its tokens are a prefix."""
+    ids, offsets = lm.encode_with_offsets(text)
+    n = len(ids)
+    if not ids or tuple(ids) != entry.token_ids[:n] or tuple(offsets) != entry.offsets[:n]:
+        return None
+    return replace(entry, keys=entry.keys[:, :, :n].clone(), values=entry.values[:, :, :n].clone(),
+                   token_ids=tuple(ids), offsets=tuple(offsets))
 
 
 def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], variant: str, batch_size: int,

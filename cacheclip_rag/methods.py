@@ -116,7 +116,7 @@ def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> P
         selected, timings.select_s = selecting.result()
     positions = engine.positions_of(plan, selected)
     t1 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, positions)
+    logits = engine.recompute_and_answer(cache, plan, positions, options)
     timings.recompute_s = _now(engine, options) - t1
     return Prefill(cache, logits, positions, timings)
 
@@ -131,7 +131,7 @@ def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> 
     candidates = top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)
     t2 = _now(engine, options)
     positions = engine.positions_of(plan, candidates)
-    logits = engine.recompute_and_answer(cache, plan, positions)
+    logits = engine.recompute_and_answer(cache, plan, positions, options)
     timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
     return Prefill(cache, logits, positions, timings)
 
@@ -150,7 +150,7 @@ def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Pref
     cache = engine.blended_cache(plan, options, options.shared_prefix)
     t2 = _now(engine, options)
     positions = engine.positions_of(plan, candidates)
-    logits = engine.recompute_and_answer(cache, plan, positions)
+    logits = engine.recompute_and_answer(cache, plan, positions, options)
     timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
     return Prefill(cache, logits, positions, timings)
 

@@ -7,12 +7,14 @@
   how far layer 1's recomputed values moved from the cached ones.
 - `primary_attention_scores` (oracle): the primary's own last-layer question->chunk attention under
   full prefill; the ceiling for any selector.
+- `boundary_selection`: each chunk's seam and first tokens, recomputed first (`boundary_tokens`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -23,6 +25,9 @@ from .ingest import PrefixCache, new_cache
 from .models import LoadedModel, layer_types
 from .recompute import forward_at
 from .store import ChunkEntry
+
+if TYPE_CHECKING:
+    from .request import Plan
 
 
 def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:
@@ -158,3 +163,23 @@ def primary_attention_scores(
     last = lm.config.num_hidden_layers - 1
     forward_at(lm.model, cache, torch.tensor([list(question_ids)]), torch.arange(s, s + q)[None], probes={last: probe})
     return probe.weights[0, :, :, chunk_start:s].mean(dim=(0, 1)).cpu()
+
+
+def boundary_selection(plan: Plan, first: int, skip: int, ratio: float) -> list[torch.Tensor]:
+    """Per chunk, the primary tokens at its boundaries (bool masks): its separator tokens (the seam to
+    what follows) and its first `first` tokens, for every chunk from `skip` on; when they exceed the
+    budget ceil(ratio x chunk tokens), seams come first, then the first tokens by their place in the
+    chunk (every chunk's token 0, then every chunk's token 1, ...)."""
+    masks = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
+    ranked: list[tuple[int, int, int]] = []  # (rank, chunk, token)
+    for c in range(skip, len(plan.chunk_ids)):
+        length = len(plan.texts[c]) if not (plan.bare and plan.bare[c]) else None
+        for t, (start, _) in enumerate(plan.char_spans[c]):
+            if length is not None and start >= length:
+                ranked.append((-1, c, t))
+            elif t < first:
+                ranked.append((t, c, t))
+    budget = math.ceil(ratio * sum(len(ids) for ids in plan.chunk_ids) - 1e-9)
+    for _, c, t in sorted(ranked)[:budget]:
+        masks[c][t] = True
+    return masks

@@ -42,6 +42,7 @@ def probe(*args: str) -> dict:
     (["query", "q", "--ratio", "1.5", "--chunk-files", "README.md"], "--ratio must be in [0, 1]"),
     (["ingest", "/no/such/dir"], "no such file or folder: /no/such/dir"),
     (["ingest", "README.md", "--chunk-size", "3"], "--chunk-size must be >= 16"),
+    (["ingest", "README.md", "--system", "Context:"], "--system is for ingesting on a server: add --server URL"),
     (["demo", "--ratio", "2"], "--ratio must be in [0, 1]"),
     (["demo", "--methods", "full,magic"], "--methods: unknown magic"),
     (["eval", "--limit-minutes", "-1"], "--limit-minutes must be >= 0"),

@@ -439,3 +439,22 @@ def test_the_ruler_view_reads_in_rulers_layout_and_leaves_the_callers_engine_as_
     profile = replace(runner.PROFILES["quick"], variants=("full",), max_new_tokens=4)
     runner.evaluate_sample(engine, sample, profile, runner.token_counter(engine))
     assert engine.primary.prompt is prompt and engine.config is config  # the evaluation used a view too
+
+
+def test_gap_variants_run_in_the_harness_and_keep_the_exact_end(make_engine):
+    """The quality-gap variants: boundary tokens at ratio 1 are full attention; the one-kind-of-layer
+    recomputes run at their fixed ratio 1 (recorded without a ratio) and are neither full nor reuse."""
+    engine = make_engine(tiny_model("gemma3"))
+    profile = replace(
+        runner.PROFILES["gap"], lengths=(160,), tasks=("single1",), samples=1, ratios=(1.0,), max_new_tokens=4,
+        variants=("full", "shared_prefix", "cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only",
+                  "recompute_global_only"),
+    )
+    by = {r.variant: r for r in runner.run(engine, profile, progress=False)}
+    for name in ("cacheclip_seams", "cacheclip_boundary4"):
+        assert by[name].ratio == 1.0 and by[name].tf_kl < 1e-6 and by[name].output == by["full"].output
+    for name in ("recompute_sliding_only", "recompute_global_only"):
+        assert by[name].ratio is None and by[name].recomputed_share > 0.5
+    assert by["recompute_global_only"].tf_kl > 1e-6
+    with pytest.raises(ValueError, match="no sliding-window layers"):
+        runner.run(make_engine(tiny_model("llama")), profile, progress=False)

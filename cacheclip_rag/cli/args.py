@@ -71,6 +71,10 @@ def check_demo(args: argparse.Namespace) -> None:
 def check_ingest(args: argparse.Namespace) -> None:
     if args.server is not None and not args.server.startswith(("http://", "https://")):
         fail(f"--server must be an http(s):// URL of a running `cacheclip serve`, got {args.server!r}")
+    if args.server is None and (args.api_key or args.system):
+        fail(f"{'--api-key' if args.api_key else '--system'} is for ingesting on a server: add --server URL")
+    if args.system is not None and not args.system.strip():
+        fail("--system is empty: give the text your system message has before the chunks")
     if args.chunk_size < 16:
         fail(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
     for path in args.paths:
@@ -217,6 +221,10 @@ def parser() -> argparse.ArgumentParser:
                         help="send the chunks to a running `cacheclip serve` (POST /v1/ingest) instead of a local "
                              "index and store")
     ingest.add_argument("--api-key", default=None, help="with --server: its API key")
+    ingest.add_argument("--system", default=None, metavar="TEXT",
+                        help="with --server: the exact text your app's system message has before the chunks it "
+                             "pastes, blank line included (the caches are computed behind exactly that, so the "
+                             "first request reuses them)")
 
     serving = with_models(sub.add_parser("serve", help="an OpenAI-compatible server that reuses stored chunks "
                                                          "found in ordinary prompts"))

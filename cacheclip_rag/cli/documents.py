@@ -151,7 +151,8 @@ def _ingest_on_server(args: argparse.Namespace, texts: list[str]) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     url = args.server.rstrip("/") + "/v1/ingest"
     try:
-        reply = httpx.post(url, json={"documents": texts}, headers=headers, timeout=3600)
+        body = {"documents": texts, **({"system": args.system} if args.system else {})}
+        reply = httpx.post(url, json=body, headers=headers, timeout=3600)
     except httpx.HTTPError as err:
         raise SystemExit(f"cannot reach {url}: {err}") from None
     if reply.status_code != 200:

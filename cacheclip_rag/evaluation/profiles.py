@@ -18,10 +18,13 @@ class Variant:
     shared_prefix: bool = True
     exact_budget: bool = True
     ape: tuple[float, float] | None = None  # (temperature, scale) for method "ape"; None: the defaults
+    boundary_tokens: int | None = None  # RequestOptions.boundary_tokens
+    recompute_layers: str = "all"  # RequestOptions.recompute_layers (a diagnostic)
+    fixed_ratio: float | None = None  # run at this ratio whatever the profile's ratios (a diagnostic)
 
     @property
     def uses_ratio(self) -> bool:
-        return self.method in ("cacheblend", "cacheclip", "oracle")
+        return self.method in ("cacheblend", "cacheclip", "oracle") and self.fixed_ratio is None
 
 
 VARIANTS = {
@@ -40,9 +43,17 @@ VARIANTS = {
         Variant("cacheclip_nogroup", "cacheclip", grouping=False),  # ablation: no sliding-window grouping
         Variant("cacheclip_noprefix", "cacheclip", shared_prefix=False),  # ablation: chunks computed alone
         Variant("cacheclip_nominal", "cacheclip", exact_budget=False),  # the paper's nominal top-k budget
+        # the quality-gap issue: each chunk's seam (separator tokens) recomputed first, then also its first
+        # 4 tokens, out of the same budget; and every chunk row recomputed but written back only in the
+        # sliding-window layers, or only in the global layers (where does the stale error live?)
+        Variant("cacheclip_seams", "cacheclip", boundary_tokens=0),
+        Variant("cacheclip_boundary4", "cacheclip", boundary_tokens=4),
+        Variant("recompute_sliding_only", "cacheclip", recompute_layers="sliding", fixed_ratio=1.0),
+        Variant("recompute_global_only", "cacheclip", recompute_layers="global", fixed_ratio=1.0),
     )
 }
 
+GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only")
 MAIN_VARIANTS = ("full", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip")
 
 
@@ -100,10 +111,19 @@ PROFILES = {
         variants=("full", "direct", "oracle", "cacheclip_nogroup", "cacheclip_noprefix", "cacheclip_nominal"),
         alignment_lengths=(), alignment_samples=0,
     ),
+    # where the remaining gap lives and what closes it (the quality-gap issue), over the power run's 2K
+    # samples: paired with cacheclip @ 0.2 there through `--merge`
+    "gap": Profile(
+        "gap", lengths=(2048,), tasks=ruler.TASKS, samples=13, ratios=(0.2,),
+        variants=("full", *GAP_VARIANTS),
+        alignment_lengths=(), alignment_samples=0,
+    ),
     # every method and ablation at every ratio in one folder (resumable; about 25 hours on 2 CPU cores;
-    # power + sweep + ablations cover its main methods at every ratio and the ablations at 0.2)
+    # power + sweep + ablations cover its main methods at every ratio and the ablations at 0.2; the gap
+    # profile's diagnostics are not part of it)
     "full": Profile(
         "full", lengths=(2048, 1024), tasks=ruler.TASKS, samples=(13, 25), ratios=(0.05, 0.1, 0.2, 0.3, 0.5),
-        variants=tuple(VARIANTS), alignment_lengths=(1024, 2048), alignment_samples=50,
+        variants=tuple(v for v in VARIANTS if v not in GAP_VARIANTS), alignment_lengths=(1024, 2048),
+        alignment_samples=50,
     ),
 }

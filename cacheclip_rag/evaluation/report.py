@@ -15,7 +15,8 @@ from .runner import AlignmentRow, Record, cross_budget_differences, paired_diffe
 from .stats import bootstrap_ci
 
 ORDER = ["full", "direct", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup",
-         "cacheclip_noprefix", "cacheclip_nominal"]
+         "cacheclip_noprefix", "cacheclip_nominal", "cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only",
+         "recompute_global_only"]
 
 
 def _label(row: dict) -> str:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..config import RequestOptions
 from ..engine import Engine
-from ..models import PromptFormat
+from ..models import PromptFormat, layer_types
 from . import ruler
 from .fidelity import first_token_kl, sequence_log_likelihood, teacher_forced_fidelity
 
@@ -115,9 +115,11 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
 
     def measure(variant: Variant, ratio: float | None):
         ape = dict(ape_temperature=variant.ape[0], ape_scale=variant.ape[1]) if variant.ape else {}
+        ratio = variant.fixed_ratio if variant.fixed_ratio is not None else ratio
         options = RequestOptions(
             method=variant.method, ratio=ratio if ratio is not None else 0.0, grouping=variant.grouping,
-            shared_prefix=variant.shared_prefix, exact_budget=variant.exact_budget, **ape, **base,
+            shared_prefix=variant.shared_prefix, exact_budget=variant.exact_budget,
+            boundary_tokens=variant.boundary_tokens, recompute_layers=variant.recompute_layers, **ape, **base,
         )
         started = time.perf_counter()
         plan, prefill = engine.prefill(sample.question, chunks, options)
@@ -252,6 +254,10 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
     unknown = [v for v in profile.variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    layered = [v for v in profile.variants if VARIANTS[v].recompute_layers != "all"]
+    if layered and "sliding_attention" not in layer_types(engine.primary.model):
+        raise ValueError(f"variants {layered} recompute one kind of layer: {engine.primary.name} has no "
+                         "sliding-window layers")
     unknown = [t for t in profile.tasks if t not in ruler.SPECS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(ruler.TASKS)}")

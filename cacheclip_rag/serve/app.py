@@ -24,8 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import METHODS, RequestOptions
 from ..engine import Engine
+from ..ingest import FormattedPrefix
 from ..request import Answer
-from .layouts import Planned, plan_chat, plan_completion
+from .layouts import Planned, plan_chat, plan_completion, system_head
 from .metrics import Metrics
 from .requests import APIError, chat_request, completion_request, parse_json
 from .worker import DONE, Job, QueueFull, Worker
@@ -207,8 +208,15 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         documents = body.get("documents")
         if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
             raise APIError(400, "'documents' must be a non-empty list of strings", "documents")
+        system = body.get("system")
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise APIError(400, "'system' must be the non-empty text your system message has before the chunks",
+                           "system")
+        # with `system`: computed behind the exact start of the prompts that will paste them, each also as
+        # the last chunk of the message (no separator after it), so the first such request reuses them
+        head = FormattedPrefix(system_head(engine, system)) if system is not None else None
         try:
-            keys = await asyncio.to_thread(engine.ingest, documents, False)
+            keys = await asyncio.to_thread(engine.ingest, documents, False, False, head, head is not None)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
         added = server.index.add(documents)

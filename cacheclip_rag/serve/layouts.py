@@ -35,6 +35,17 @@ def render_chat(engine: Engine, messages: tuple[dict, ...]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+def system_head(engine: Engine, system: str) -> str:
+    """The exact text a chat prompt starts with when its system message is `system` followed by the
+    chunks (LangChain's RAG prompt, the stuff layouts): what `/v1/ingest` computes chunks behind, so
+    the first request that pastes them already finds them."""
+    mark = "\u2063cacheclip-chunks\u2063"  # an invisible separator no template rewrites
+    rendered = render_chat(engine, ({"role": "system", "content": system + mark}, {"role": "user", "content": "?"}))
+    if mark not in rendered:
+        raise APIError(400, "the chat template drops the system message: ingest without 'system'", "system")
+    return rendered[: rendered.index(mark)]
+
+
 def options_for(engine: Engine, generation: Generation, default_method: str, default_ratio: float) -> RequestOptions:
     try:
         return RequestOptions(method=generation.method or default_method,

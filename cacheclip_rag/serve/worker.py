@@ -1,10 +1,17 @@
 """The model's one worker thread and the bounded queue in front of it.
 
-The engine runs one request at a time (a request already keeps every core busy); the HTTP front is
-async and never blocks on the model. A job is admitted only while fewer than `max_queue` are waiting
-or running (else `QueueFull`: the server answers 429 with Retry-After). Text pieces flow back through
-an asyncio queue as they decode. A job whose client went away, or that passed its time limit, is
-cancelled: its decode stops at the next token and the worker moves on.
+The engine runs one forward at a time (a forward already keeps every core busy); the HTTP front is
+async and never blocks on the model. Scheduling puts the first token first: a
+waiting request's prefill runs before the running requests' next decode step, and between two
+prefills one running request decodes one piece (round robin), so decodes go on under a stream of
+arrivals without making the new requests wait for them; with nothing waiting, the running requests
+decode a piece each in turn. A request's time to first token is its own prefill plus the prefills
+and single steps ahead of it, not the whole decodes of the requests before it (bench/RESULTS.md
+compares this with all-prefills-first and with first-come-first-served). A job is admitted only
+while fewer than `max_queue` are waiting or running (else `QueueFull`: the server answers 429 with
+Retry-After). Text pieces flow back through an asyncio queue as they decode. A job whose client went
+away, or that passed its time limit, is cancelled: its decode stops at its next step and the worker
+moves on.
 """
 
 from __future__ import annotations
@@ -13,13 +20,15 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..request import Answer, Stream
 
 DONE = object()  # the end of a job's pieces
+_NOTHING = object()  # no job waiting
 
 
 class QueueFull(Exception):
@@ -48,8 +57,17 @@ class Job:
         self.cancelled.set()
 
 
+@dataclass
+class _Running:
+    job: Job
+    stream: Stream | None
+    started: float
+    pieces: Iterator[str] | None = None
+
+
 class Worker:
-    """One thread taking jobs in order; `submit` refuses when `max_queue` are waiting or running."""
+    """One thread running jobs, first tokens first (see the module); `submit` refuses when `max_queue` are
+    waiting or running."""
 
     def __init__(self, max_queue: int = 8):
         if max_queue < 1:
@@ -76,34 +94,68 @@ class Worker:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        running: deque[_Running] = deque()
         while True:
-            job = self._jobs.get()
+            try:  # wait for work only when nothing is decoding
+                job = self._jobs.get(block=not running)
+            except queue.Empty:
+                job = _NOTHING
             if job is None:
+                for r in running:
+                    self._finish(r, stop=True)
                 return
-            started = time.monotonic()
-            try:
-                self._serve(job)
-            except BaseException as err:  # noqa: BLE001 - handed to the request that owns it
-                job.error = err
-            finally:
-                job.emit(DONE)
-                with self._lock:
-                    self._active -= 1
-                    self._recent_s = 0.8 * self._recent_s + 0.2 * (time.monotonic() - started)
+            if job is not _NOTHING:  # a waiting job's prefill and first piece before anyone's next step
+                r = self._start(job)
+                if r is not None:
+                    running.append(r)
+            if running:  # then one piece of one running job, in turn
+                r = running.popleft()
+                if self._step(r):
+                    running.append(r)
 
-    def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            return  # the client left while it waited
-        deadline = job.submitted + job.timeout_s
-        stream = job.start()
-        for piece in stream:
-            job.emit(piece)
-            if job.cancelled.is_set() or time.monotonic() > deadline:
-                if time.monotonic() > deadline:
-                    job.error = TimeoutError(f"the request ran past its {job.timeout_s:g} s limit")
-                stream.pieces.close()  # stops the decode: no more forwards for a client that is gone
-                return
-        job.answer = stream.answer
+    def _start(self, job: Job) -> _Running | None:
+        r = _Running(job, None, time.monotonic())
+        if job.cancelled.is_set():  # the client left while it waited
+            self._finish(r)
+            return None
+        try:
+            r.stream = job.start()
+            r.pieces = iter(r.stream)
+        except BaseException as err:  # noqa: BLE001 - handed to the request that owns it
+            job.error = err
+            self._finish(r)
+            return None
+        return r if self._step(r) else None
+
+    def _step(self, r: _Running) -> bool:
+        """One piece of a running job; False once it has finished (and was finished here)."""
+        job = r.job
+        try:
+            piece = next(r.pieces, DONE)
+        except BaseException as err:  # noqa: BLE001
+            job.error = err
+            self._finish(r)
+            return False
+        if piece is DONE:
+            job.answer = r.stream.answer
+            self._finish(r)
+            return False
+        job.emit(piece)
+        late = time.monotonic() > job.submitted + job.timeout_s
+        if job.cancelled.is_set() or late:
+            if late:
+                job.error = TimeoutError(f"the request ran past its {job.timeout_s:g} s limit")
+            self._finish(r, stop=True)
+            return False
+        return True
+
+    def _finish(self, r: _Running, stop: bool = False) -> None:
+        if stop and r.stream is not None:
+            r.stream.pieces.close()  # stops the decode: no more forwards for a client that is gone
+        r.job.emit(DONE)
+        with self._lock:
+            self._active -= 1
+            self._recent_s = 0.8 * self._recent_s + 0.2 * (time.monotonic() - r.started)
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -1,0 +1,203 @@
+"""Where CacheClip's remaining error lives (the quality-gap issue): repair one part of the reused cache
+at a time and see how much of the error goes.
+
+Per RULER sample (2K, the power run's seeds; the embedded Gemma 3 270M primary, SmolLM2 aux), the
+shared-prefix cache (every chunk as stored, keys re-rotated; no recompute) is copied and, in the copy,
+the rows of one class are replaced by full attention's own rows (exact values, not a recompute), then
+the question and `full`'s greedy answer are read teacher-forced; the KL(full || repaired) averaged over
+the answer's steps says how much of the error that class carried. Classes: chunk seams (the separator
+tokens between chunks), each chunk's first 4 tokens, the rest; each chunk by its index; the sliding-
+window layers' rows alone, the global layers' rows alone; everything (a sanity check: KL 0). Also
+CacheClip's own cache at 0.2 and 0.5 (recomputed, not repaired), and each with its seams repaired.
+Chunk 0 sits behind the prefix exactly as stored, so it is never in error.
+
+Also the relative deviation ||K - K_full|| / ||K_full|| (and V) per class and layer kind of the reused
+cache and of CacheClip's at 0.2. Per-sample rows go to a JSONL (resumable); the summary (mean, 95%
+bootstrap interval, n, and the paired share of the shared-prefix KL each repair removes) to
+bench/results/gap_diagnosis.json.
+
+    python bench/diagnose_gap.py [--samples 13] [--length 2048] [--answer-tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cacheclip_rag.cache import BlendedCache  # noqa: E402
+from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.evaluation import ruler  # noqa: E402
+from cacheclip_rag.evaluation.runner import decode_budget, ruler_engine, token_counter  # noqa: E402
+from cacheclip_rag.evaluation.stats import bootstrap_ci  # noqa: E402
+from cacheclip_rag.models import layer_types  # noqa: E402
+from cacheclip_rag.recompute import forward_at  # noqa: E402
+
+FIRST = 4
+
+
+def clone(cache: BlendedCache) -> BlendedCache:
+    return BlendedCache(cache.key_buffer.clone(), cache.value_buffer.clone())
+
+
+def forced_logits(engine: Engine, cache: BlendedCache, plan, answer: list[int]) -> torch.Tensor:
+    """[len(answer), V]: the question then the answer read teacher-forced over a copy of `cache`."""
+    c = clone(cache)
+    ids = list(plan.question_ids) + answer[:-1]
+    positions = torch.arange(plan.question_start, plan.question_start + len(ids))
+    return forward_at(engine.primary.model, c, torch.tensor([ids]), positions[None], logits_to_keep=len(answer))[0]
+
+
+def mean_kl(p_rows: torch.Tensor, q_rows: torch.Tensor) -> float:
+    log_p, log_q = torch.log_softmax(p_rows.double(), -1), torch.log_softmax(q_rows.double(), -1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0).mean())
+
+
+def row_classes(plan) -> dict[str, torch.Tensor]:
+    """Absolute cache rows of each class, over the chunks after the first."""
+    seams, first, rest, by_chunk = [], [], [], {}
+    for c in range(1, len(plan.chunk_ids)):
+        offset, text = plan.chunk_offsets[c], plan.texts[c]
+        rows = []
+        for t, (start, _) in enumerate(plan.char_spans[c]):
+            row = offset + t
+            rows.append(row)
+            (seams if start >= len(text) else first if t < FIRST else rest).append(row)
+        by_chunk[f"chunk{c}"] = torch.tensor(rows)
+    return {"seams": torch.tensor(seams), "first4": torch.tensor(first), "rest": torch.tensor(rest),
+            "seams+first4": torch.tensor(seams + first), **by_chunk}
+
+
+def repaired(base: BlendedCache, full: BlendedCache, rows: torch.Tensor | None, layers: list[int] | None) -> BlendedCache:
+    c = clone(base)
+    rows = torch.arange(c.capacity) if rows is None else rows
+    for layer in range(c.key_buffer.shape[0]) if layers is None else layers:
+        c.key_buffer[layer, :, :, rows] = full.key_buffer[layer, :, :, rows]
+        c.value_buffer[layer, :, :, rows] = full.value_buffer[layer, :, :, rows]
+    return c
+
+
+def deviation(cache: BlendedCache, full: BlendedCache, rows: torch.Tensor, layers: list[int]) -> tuple[float, float]:
+    out = []
+    for a, b in ((cache.key_buffer, full.key_buffer), (cache.value_buffer, full.value_buffer)):
+        x, y = a[layers][:, 0, :, rows].double(), b[layers][:, 0, :, rows].double()  # [L, KV, R, D]
+        out.append(float(((x - y).norm(dim=-1) / y.norm(dim=-1).clamp(min=1e-12)).mean()))
+    return out[0], out[1]
+
+
+def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
+    count = token_counter(engine)
+    chunks = ruler.sample_chunks(sample, count)
+    view = ruler_engine(engine, sample)
+    view.ingest(chunks, progress=False)
+    base = dict(max_new_tokens=max(answer_tokens, decode_budget(view, sample)), answer_prefix=sample.answer_prefix,
+                prompt_stops=False)
+    plan, full = view.prefill(sample.question, chunks, RequestOptions(method="full", **base))
+    full_cache = clone(full.cache)
+    stream = view.decode(plan, full, RequestOptions(method="full", **base))
+    for _ in stream:
+        if len(stream.token_ids) >= answer_tokens:
+            break
+    answer = list(stream.token_ids[:answer_tokens])
+    reference = forced_logits(view, full_cache, plan, answer)
+    kinds = layer_types(view.primary.model)
+    sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+    global_ = [i for i, k in enumerate(kinds) if k != "sliding_attention"]
+    _, shared = view.prefill(sample.question, chunks, RequestOptions(method="shared_prefix", **base))
+    classes = row_classes(plan)
+    chunk_rows = torch.arange(plan.chunk_offsets[1], plan.question_start) if len(plan.chunk_ids) > 1 else torch.zeros(0, dtype=torch.long)
+    row = {"task": sample.task, "seed": sample.seed, "tokens": plan.length, "chunks": len(chunks),
+           "answer_tokens": len(answer), "rows": {k: int(v.numel()) for k, v in classes.items()}}
+    kl = {"shared_prefix": mean_kl(reference, forced_logits(view, shared.cache, plan, answer))}
+    kl["repair_all"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, None, None), plan, answer))
+    for name, rows in classes.items():
+        kl[f"repair_{name}"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, rows, None), plan, answer))
+    for name, layers in (("sliding_layers", sliding), ("global_layers", global_)):
+        if layers:
+            kl[f"repair_{name}"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, chunk_rows, layers), plan, answer))
+    dev = {}
+    for name in ("seams", "first4", "rest"):
+        for kind, layers in (("sliding", sliding), ("global", global_)):
+            if layers and classes[name].numel():
+                dev[f"shared_{name}_{kind}"] = deviation(shared.cache, full_cache, classes[name], layers)
+    for ratio in (0.2, 0.5):
+        _, clip = view.prefill(sample.question, chunks, RequestOptions(method="cacheclip", ratio=ratio, **base))
+        kl[f"cacheclip_{ratio}"] = mean_kl(reference, forced_logits(view, clip.cache, plan, answer))
+        kl[f"cacheclip_{ratio}+repair_seams"] = mean_kl(
+            reference, forced_logits(view, repaired(clip.cache, full_cache, classes["seams"], None), plan, answer))
+        recomputed = set(clip.recomputed_positions.tolist())
+        row[f"cacheclip_{ratio}_seams_recomputed"] = sum(int(r) in recomputed for r in classes["seams"])
+        if ratio == 0.2:
+            for name in ("seams", "first4", "rest"):
+                for kind, layers in (("sliding", sliding), ("global", global_)):
+                    if layers and classes[name].numel():
+                        dev[f"cacheclip0.2_{name}_{kind}"] = deviation(clip.cache, full_cache, classes[name], layers)
+    row["kl"], row["deviation"] = kl, dev
+    return row
+
+
+def summarise(rows: list[dict]) -> dict:
+    out = {"n": len(rows), "kl": {}, "share_of_shared_prefix_kl_removed": {}, "deviation": {}}
+    for name in rows[0]["kl"]:
+        values = [r["kl"][name] for r in rows if name in r["kl"]]
+        out["kl"][name] = vars(bootstrap_ci(values))
+        if name != "shared_prefix":
+            removed = [1 - r["kl"][name] / r["kl"]["shared_prefix"] for r in rows if name in r["kl"] and r["kl"]["shared_prefix"] > 0]
+            out["share_of_shared_prefix_kl_removed"][name] = vars(bootstrap_ci(removed))
+    for name in rows[0]["deviation"]:
+        ks = [r["deviation"][name][0] for r in rows if name in r["deviation"]]
+        vs = [r["deviation"][name][1] for r in rows if name in r["deviation"]]
+        out["deviation"][name] = {"keys": vars(bootstrap_ci(ks)), "values": vars(bootstrap_ci(vs))}
+    out["rows_per_sample"] = {k: sum(r["rows"][k] for r in rows) / len(rows) for k in ("seams", "first4", "rest")}
+    out["chunk_tokens_per_sample"] = sum(r["tokens"] for r in rows) / len(rows)
+    out["seams_recomputed_by_cacheclip"] = {str(ratio): sum(r[f"cacheclip_{ratio}_seams_recomputed"] for r in rows) /
+                                            max(1, sum(r["rows"]["seams"] for r in rows)) for ratio in (0.2, 0.5)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=13, help="per task (13 x 8 tasks = the power run's 104)")
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--answer-tokens", type=int, default=24)
+    p.add_argument("--primary", default="gemma3-270m")
+    p.add_argument("--rows", default=str(ROOT / "bench" / "results" / "gap_diagnosis.jsonl"))
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "gap_diagnosis.json"))
+    args = p.parse_args()
+    engine = Engine.from_config(EngineConfig(primary=args.primary))
+    path = Path(args.rows)
+    done = {(r["task"], r["seed"]) for r in map(json.loads, path.read_text().splitlines())} if path.exists() else set()
+    jobs = [(task, seed) for seed in range(args.samples) for task in ruler.TASKS]
+    count = token_counter(engine)
+    with path.open("a") as out:
+        for task, seed in tqdm(jobs, desc="gap diagnosis", initial=sum(j in done for j in jobs), total=len(jobs)):
+            if (task, seed) in done:
+                continue
+            row = measure(engine, ruler.generate(task, args.length, seed, count), args.answer_tokens)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    summary = summarise(rows)
+    summary.update(primary=engine.primary.name, aux=engine.aux.name if engine.aux else None, length=args.length,
+                   answer_tokens=args.answer_tokens, date=date.today().isoformat())
+    Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"n = {summary['n']}; teacher-forced KL to full over {args.answer_tokens} answer tokens, mean [95% CI]; "
+          "share of the shared-prefix KL removed (paired)")
+    for name, est in summary["kl"].items():
+        share = summary["share_of_shared_prefix_kl_removed"].get(name)
+        print(f"| {name} | {est['mean']:.4f} [{est['low']:.4f}, {est['high']:.4f}] | "
+              + (f"{share['mean']:.2f} [{share['low']:.2f}, {share['high']:.2f}] |" if share else "- |"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
