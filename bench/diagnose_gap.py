@@ -116,7 +116,8 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
     classes = row_classes(plan)
     chunk_rows = torch.arange(plan.chunk_offsets[1], plan.question_start) if len(plan.chunk_ids) > 1 else torch.zeros(0, dtype=torch.long)
     row = {"task": sample.task, "seed": sample.seed, "tokens": plan.length, "chunks": len(chunks),
-           "answer_tokens": len(answer), "rows": {k: int(v.numel()) for k, v in classes.items()}}
+           "answer_tokens": len(answer), "rows": {k: int(v.numel()) for k, v in classes.items()},
+           "needle_chunks": needle_chunks(sample, chunks)}
     kl = {"shared_prefix": mean_kl(reference, forced_logits(view, shared.cache, plan, answer))}
     kl["repair_all"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, None, None), plan, answer))
     for name, rows in classes.items():
@@ -145,6 +146,31 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
     return row
 
 
+def needle_chunks(sample: ruler.Sample, chunks: list[str]) -> list[int]:
+    """Indices of the chunks that hold a value the answer must contain (the needles the question asks for)."""
+    return [i for i, text in enumerate(chunks) if any(ref in text for ref in sample.references)]
+
+
+def by_needle(rows: list[dict]) -> dict:
+    """Repairing the chunks that hold the asked-for needles against repairing the others, one chunk at a time:
+    per sample, the mean KL after repairing one needle chunk, and after repairing one other chunk (chunk 0,
+    exact behind the prefix, excluded); also the last chunk, the one next to the question."""
+    needle, other, last = [], [], []
+    for r in rows:
+        chunks = [int(k[len("repair_chunk"):]) for k in r["kl"] if k.startswith("repair_chunk")]
+        inside = [c for c in chunks if c in r["needle_chunks"]]
+        outside = [c for c in chunks if c not in r["needle_chunks"]]
+        if inside and outside:
+            needle.append(sum(r["kl"][f"repair_chunk{c}"] for c in inside) / len(inside) / r["kl"]["shared_prefix"])
+            other.append(sum(r["kl"][f"repair_chunk{c}"] for c in outside) / len(outside) / r["kl"]["shared_prefix"])
+        if chunks:
+            last.append(r["kl"][f"repair_chunk{max(chunks)}"] / r["kl"]["shared_prefix"])
+    return {"kl_left_after_repairing_a_needle_chunk": vars(bootstrap_ci(needle)) if needle else None,
+            "kl_left_after_repairing_another_chunk": vars(bootstrap_ci(other)) if other else None,
+            "kl_left_after_repairing_the_last_chunk": vars(bootstrap_ci(last)) if last else None,
+            "n_with_both": len(needle)}
+
+
 def summarise(rows: list[dict]) -> dict:
     out = {"n": len(rows), "kl": {}, "share_of_shared_prefix_kl_removed": {}, "deviation": {}}
     for name in rows[0]["kl"]:
@@ -157,11 +183,36 @@ def summarise(rows: list[dict]) -> dict:
         ks = [r["deviation"][name][0] for r in rows if name in r["deviation"]]
         vs = [r["deviation"][name][1] for r in rows if name in r["deviation"]]
         out["deviation"][name] = {"keys": vars(bootstrap_ci(ks)), "values": vars(bootstrap_ci(vs))}
+    if all("needle_chunks" in r for r in rows):
+        out["by_needle"] = by_needle([r for r in rows if r["kl"]["shared_prefix"] > 0])
     out["rows_per_sample"] = {k: sum(r["rows"][k] for r in rows) / len(rows) for k in ("seams", "first4", "rest")}
     out["chunk_tokens_per_sample"] = sum(r["tokens"] for r in rows) / len(rows)
     out["seams_recomputed_by_cacheclip"] = {str(ratio): sum(r[f"cacheclip_{ratio}_seams_recomputed"] for r in rows) /
                                             max(1, sum(r["rows"]["seams"] for r in rows)) for ratio in (0.2, 0.5)}
     return out
+
+
+def plot(summary: dict, out: Path) -> None:
+    """Horizontal bars: the share of the shared-prefix KL each repair (or CacheClip) removes, with its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = {k: v for k, v in summary["share_of_shared_prefix_kl_removed"].items()
+              if not k.startswith("repair_chunk") and k != "repair_all"}
+    names = list(shares)
+    means = [shares[k]["mean"] for k in names]
+    errors = [[shares[k]["mean"] - shares[k]["low"] for k in names], [shares[k]["high"] - shares[k]["mean"] for k in names]]
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(names) + 1.2))
+    ax.barh(range(len(names)), means, xerr=errors, color=["C1" if k.startswith("cacheclip") else "C0" for k in names])
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(0, color="k", lw=0.5)
+    ax.set(xlabel="share of the shared-prefix KL removed (95% CI)", xlim=(-0.1, 1.0),
+           title=f"Where the error lives (RULER {summary['length']}, n = {summary['n']})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def main() -> int:
@@ -186,16 +237,24 @@ def main() -> int:
             out.write(json.dumps(row) + "\n")
             out.flush()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:  # rows written before the needle chunks were recorded: the samples are regenerated (seeded)
+        if "needle_chunks" not in r:
+            sample = ruler.generate(r["task"], args.length, r["seed"], count)
+            r["needle_chunks"] = needle_chunks(sample, ruler.sample_chunks(sample, count))
     summary = summarise(rows)
     summary.update(primary=engine.primary.name, aux=engine.aux.name if engine.aux else None, length=args.length,
                    answer_tokens=args.answer_tokens, date=date.today().isoformat())
     Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    plot(summary, Path(args.json).with_suffix(".png"))
     print(f"n = {summary['n']}; teacher-forced KL to full over {args.answer_tokens} answer tokens, mean [95% CI]; "
           "share of the shared-prefix KL removed (paired)")
     for name, est in summary["kl"].items():
         share = summary["share_of_shared_prefix_kl_removed"].get(name)
         print(f"| {name} | {est['mean']:.4f} [{est['low']:.4f}, {est['high']:.4f}] | "
               + (f"{share['mean']:.2f} [{share['low']:.2f}, {share['high']:.2f}] |" if share else "- |"))
+    for name, est in summary.get("by_needle", {}).items():
+        if isinstance(est, dict):
+            print(f"{name} (share of the shared-prefix KL): {est['mean']:.2f} [{est['low']:.2f}, {est['high']:.2f}]")
     return 0
 
 
