@@ -72,9 +72,9 @@ def row_classes(plan) -> dict[str, torch.Tensor]:
             row = offset + t
             rows.append(row)
             (seams if start >= len(text) else first if t < FIRST else rest).append(row)
-        by_chunk[f"chunk{c}"] = torch.tensor(rows)
-    return {"seams": torch.tensor(seams), "first4": torch.tensor(first), "rest": torch.tensor(rest),
-            "seams+first4": torch.tensor(seams + first), **by_chunk}
+        by_chunk[f"chunk{c}"] = torch.tensor(rows, dtype=torch.long)
+    classes = {"seams": seams, "first4": first, "rest": rest, "seams+first4": seams + first}
+    return {**{k: torch.tensor(v, dtype=torch.long) for k, v in classes.items()}, **by_chunk}
 
 
 def repaired(base: BlendedCache, full: BlendedCache, rows: torch.Tensor | None, layers: list[int] | None) -> BlendedCache:
