@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,22 +67,41 @@ def calibration_texts(count: int, tokens: int, seed: int = 0) -> list[str]:
     return out
 
 
-def measure(source: LoadedModel, target: LoadedModel, mapper, length: int, seed: int) -> dict:
+@dataclass
+class Switch:
+    """A RULER sample whose context the source holds, handed to the target and, beside it, re-prefilled there."""
+
+    sample: ruler.Sample
+    question: str
+    held: Conversation  # the source's conversation, after the context
+    handed: Conversation  # the target's, with the transferred cache
+    fresh: Conversation  # the target's, re-prefilled
+    transfer_s: float
+    prefill_s: float
+
+
+def switch(source: LoadedModel, target: LoadedModel, mapper, task: str, length: int, seed: int) -> Switch:
+    """Time the hand-off of a held RULER context against the target's own prefill of it."""
     count = lambda s: len(target.encode(s))  # noqa: E731
-    sample = ruler.generate("single2", length, seed, count)
+    sample = ruler.generate(task, length, seed, count)
     question = f"\n\nQuestion: {sample.question}\nAnswer:{sample.answer_prefix}"
     capacity = length * 2 + 256
-    conv = Conversation.start(source, capacity)
-    conv.add(sample.context)  # the source already holds this cache when the switch happens
-
+    held = Conversation.start(source, capacity)
+    held.add(sample.context)  # the source already holds this cache when the switch happens
     t0 = time.perf_counter()
-    handed = conv.hand_off(target, mapper, force=True)
+    handed = held.hand_off(target, mapper, force=True)
     transfer_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     fresh = Conversation.start(target, capacity)
     fresh.add(sample.context)
     prefill_s = time.perf_counter() - t0
+    return Switch(sample, question, held, handed, fresh, transfer_s, prefill_s)
 
+
+def measure(source: LoadedModel, target: LoadedModel, mapper, length: int, seed: int) -> dict:
+    run = switch(source, target, mapper, "single2", length, seed)
+    sample, question, handed, fresh = run.sample, run.question, run.handed, run.fresh
+    transfer_s, prefill_s = run.transfer_s, run.prefill_s
     handed.add(question)
     fresh.add(question)
     agree = int(handed.logits.argmax()) == int(fresh.logits.argmax())

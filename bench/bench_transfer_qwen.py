@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_transfer import calibration_texts  # noqa: E402
+from bench_transfer import calibration_texts, switch  # noqa: E402
 
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.models import LoadedModel, load_model  # noqa: E402
@@ -61,19 +61,9 @@ def greedy(conv: Conversation, budget: int) -> tuple[list[int], list[torch.Tenso
 
 
 def measure(source: LoadedModel, target: LoadedModel, mapper, task: str, length: int, seed: int) -> dict:
-    count = lambda s: len(target.encode(s))  # noqa: E731
-    sample = ruler.generate(task, length, seed, count)
-    question = f"\n\nQuestion: {sample.question}\nAnswer:{sample.answer_prefix}"
-    capacity = length * 2 + 256
-    held = Conversation.start(source, capacity)
-    held.add(sample.context)  # the source already holds this cache when the switch happens
-    t0 = time.perf_counter()
-    handed = held.hand_off(target, mapper, force=True)
-    transfer_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    fresh = Conversation.start(target, capacity)
-    fresh.add(sample.context)
-    prefill_s = time.perf_counter() - t0
+    run = switch(source, target, mapper, task, length, seed)
+    sample, question, held, handed, fresh = run.sample, run.question, run.held, run.handed, run.fresh
+    transfer_s, prefill_s = run.transfer_s, run.prefill_s
     again = held.hand_off(target, mapper, force=True)  # a second copy, teacher-forced below
     for conv in (handed, fresh, again):
         conv.add(question)
