@@ -56,6 +56,21 @@ class ChunkScaling:
     row_positions: torch.Tensor | None = None  # position of every cache row (chunks overlap), for the masks
 
 
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Several requests in one forward, each over its own cache (`batching.forward_rows`): their rows are
+    packed into one sequence, request b's at `segments[b]` = [start, stop); its keys and values come as
+    list items, and `masks[b]` is its `position_masks` result; `kinds[l]` is layer l's type."""
+
+    segments: list[tuple[int, int]]
+    masks: list[torch.Tensor | dict[str, torch.Tensor | None] | None]
+    kinds: list[str]
+
+    def mask(self, b: int, layer: int) -> torch.Tensor | None:
+        mask = self.masks[b]
+        return mask.get(self.kinds[layer]) if isinstance(mask, dict) else mask
+
+
 @dataclass
 class ForwardContext:
     """Per-forward information the attention function needs beyond what transformers passes."""
@@ -64,6 +79,7 @@ class ForwardContext:
     kernel: SelectedRowsKernel | None = None
     probes: dict[int, AttentionProbe] = field(default_factory=dict)
     chunk_scaling: ChunkScaling | None = None
+    ragged: RaggedBatch | None = None
 
 
 def _scores(query, key, mask, scaling, softcap) -> torch.Tensor:
@@ -100,6 +116,19 @@ def chunk_scaled_attention(query, key, value, mask, scaling, softcap, chunks: Ch
     return _attend(torch.softmax(scores, dim=-1), value, query.shape[1])
 
 
+def ragged_attention(module, query, keys, values, batch: RaggedBatch, scaling, softcap, **kwargs) -> torch.Tensor:
+    """query [1, H, sum T, D] (the requests' rows packed), keys/values one [1, KV, N_b, D] per request
+    -> [1, sum T, H, D]: each request's segment attends over its own cache."""
+    outs = []
+    for b, (start, stop) in enumerate(batch.segments):
+        q, mask = query[:, :, start:stop], batch.mask(b, module.layer_idx)
+        if softcap is not None:
+            outs.append(_eager_with_weights(module, q, keys[b], values[b], mask, scaling, softcap)[0])
+        else:
+            outs.append(sdpa_attention_forward(module, q, keys[b], values[b], mask, scaling=scaling, **kwargs)[0])
+    return torch.cat(outs, dim=1)
+
+
 # The forward context is per thread: aux selection runs in a worker thread while the main thread
 # may run the primary (the same module object when a model is its own aux).
 _active = threading.local()
@@ -112,6 +141,8 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
     scaling = module.head_dim**-0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
     if context is not None:
+        if context.ragged is not None:
+            return ragged_attention(module, query, key, value, context.ragged, scaling, softcap, **kwargs), None
         probe = context.probes.get(module.layer_idx)
         if probe is not None:
             out, probe.weights = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
@@ -134,6 +165,8 @@ def cacheclip_mask(*args, **kwargs):
     """transformers' sdpa mask, except under a kernel that masks by position itself: then no mask is
     built at all (a [Tq, N] mask at 16K tokens is hundreds of MB that nothing would read)."""
     context: ForwardContext | None = getattr(_active, "context", None)
+    if context is not None and context.ragged is not None:  # each request's own mask is in the context
+        return None
     if context is not None and context.kernel is not None and not context.probes and context.chunk_scaling is None:
         return None
     return sdpa_mask(*args, **kwargs)

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .attention import ChunkScaling
+from .batching import RowsRequest
 from .cache import BlendedCache
 from .models import LoadedModel
 from .recompute import forward_at
@@ -24,31 +25,61 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def decode_tokens(
-    lm: LoadedModel,
-    cache: BlendedCache,
-    first_logits: torch.Tensor,
-    position: int,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    rope_shift: int = 0,
-    chunk_scaling: ChunkScaling | None = None,
-) -> Iterator[int]:
-    """Yield up to `max_new_tokens` ids; the first comes from `first_logits`, the next token is
+class TokenDecoder(Iterator[int]):
+    """Up to `max_new_tokens` ids, one per `next`; the first comes from `first_logits`, the next token is
     written at `position`, `position + 1`, ... (cache rows; its RoPE position is the row minus
-    `rope_shift`, for APE's parallel positions). Stops after an end-of-sequence id."""
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    logits = first_logits
-    for step in range(max_new_tokens):
-        token = sample(logits, temperature, top_p, generator)
-        yield token
-        if token in lm.eos_token_ids or step == max_new_tokens - 1:
-            return
-        row = position + step
-        logits = forward_at(lm.model, cache, torch.tensor([[token]]), torch.tensor([[row - rope_shift]]),
-                            slots=torch.tensor([row]), chunk_scaling=chunk_scaling)[0, -1]
+    `rope_shift`, for APE's parallel positions). Stops after an end-of-sequence id.
+
+    Each `next` runs the forward of the token before it, unless a batch ran it already: `pending()` is
+    that forward (a `batching.RowsRequest`), and `provide(logits)` hands its result in, so the server can
+    run several requests' next forwards as one batch (`batching.forward_rows`).
+    """
+
+    def __init__(self, lm: LoadedModel, cache: BlendedCache, first_logits: torch.Tensor, position: int,
+                 max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 rope_shift: int = 0, chunk_scaling: ChunkScaling | None = None):
+        self.lm, self.cache, self.position, self.max_new_tokens = lm, cache, position, max_new_tokens
+        self.temperature, self.top_p, self.rope_shift, self.chunk_scaling = temperature, top_p, rope_shift, chunk_scaling
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._logits: torch.Tensor | None = first_logits
+        self._steps = 0  # tokens sampled so far
+        self._last = -1  # the last token sampled
+        self.finished = max_new_tokens <= 0
+
+    @property
+    def batchable(self) -> bool:
+        """Whether its forwards can join a batch (APE's chunk scaling runs alone)."""
+        return self.chunk_scaling is None
+
+    def pending(self) -> RowsRequest | None:
+        """The forward the next token needs; None when its logits are at hand or decoding is over."""
+        if self.finished or self._logits is not None:
+            return None
+        row = self.position + self._steps - 1
+        return RowsRequest(self.cache, torch.tensor([self._last]), torch.tensor([row - self.rope_shift]),
+                           slots=torch.tensor([row]))
+
+    def provide(self, logits: torch.Tensor) -> None:
+        """The logits [V] of `pending()`'s forward, run elsewhere (in a batch)."""
+        if self.pending() is None:
+            raise RuntimeError("no forward is pending: logits were already provided, or decoding is over")
+        self._logits = logits
+
+    def __iter__(self) -> TokenDecoder:
+        return self
+
+    def __next__(self) -> int:
+        if self.finished:
+            raise StopIteration
+        if self._logits is None:
+            step = self.pending()
+            self._logits = forward_at(self.lm.model, self.cache, step.input_ids[None], step.positions[None],
+                                      slots=step.slots, chunk_scaling=self.chunk_scaling)[0, -1]
+        token = sample(self._logits, self.temperature, self.top_p, self.generator)
+        self._logits, self._last = None, token
+        self._steps += 1
+        self.finished = token in self.lm.eos_token_ids or self._steps == self.max_new_tokens
+        return token
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -20,7 +20,7 @@ from .align import map_selection
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, is_redis_url
-from .decode import decode_tokens, text_deltas
+from .decode import TokenDecoder, text_deltas
 from .group import grouped_to_budget
 from .ingest import (DIRECT, SHARED, FormattedPrefix, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into,
                      new_cache, precompute, storage_dtype)
@@ -206,10 +206,7 @@ class Engine:
 
     def decode(self, plan: Plan, prefill: Prefill, options: RequestOptions, started: float | None = None) -> Stream:
         """Decode from a prefill; TTFT counts from `started` (default: now)."""
-        stream = Stream(iter(()))
-        stream.pieces = self._decode(plan.length, options, prefill,
-                                     time.perf_counter() if started is None else started, stream)
-        return stream
+        return self._stream(plan.length, options, prefill, time.perf_counter() if started is None else started)
 
     def teacher_forced_logits(self, plan: Plan, prefill: Prefill, tokens: Sequence[int]) -> torch.Tensor:
         """Next-token logits [len(tokens), V] along `tokens` written after the question: row i is the
@@ -246,9 +243,7 @@ class Engine:
         logits = forward_at(lm.model, cache, torch.tensor([ids]), torch.arange(len(ids))[None])[0, -1]
         timings = Timings(recompute_s=time.perf_counter() - started)
         prefill = Prefill(cache, logits, torch.arange(len(ids)), timings)
-        stream = Stream(iter(()))
-        stream.pieces = self._decode(len(ids), replace(options, method="full"), prefill, started, stream)
-        return stream
+        return self._stream(len(ids), replace(options, method="full"), prefill, started)
 
     def generate(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Answer:
         stream = self.stream(question, texts, options)
@@ -257,11 +252,18 @@ class Engine:
         assert stream.answer is not None
         return stream.answer
 
-    def _decode(self, length: int, options: RequestOptions, prefill: Prefill, started: float, stream: Stream) -> Iterator[str]:
+    def _stream(self, length: int, options: RequestOptions, prefill: Prefill, started: float) -> Stream:
+        """The decode of a prefill as text pieces; `stream.decoder` lets a server batch its forwards."""
+        stream = Stream(iter(()))
+        stream.decoder = TokenDecoder(self.primary, prefill.cache, prefill.logits, length, options.max_new_tokens,
+                                      options.temperature, options.top_p, options.seed,
+                                      rope_shift=prefill.rope_shift, chunk_scaling=prefill.chunk_scaling)
+        stream.pieces = self._decode(stream.decoder, length, options, prefill, started, stream)
+        return stream
+
+    def _decode(self, tokens: TokenDecoder, length: int, options: RequestOptions, prefill: Prefill, started: float,
+                stream: Stream) -> Iterator[str]:
         lm, timings = self.primary, prefill.timings
-        tokens = decode_tokens(lm, prefill.cache, prefill.logits, length, options.max_new_tokens,
-                               options.temperature, options.top_p, options.seed,
-                               rope_shift=prefill.rope_shift, chunk_scaling=prefill.chunk_scaling)
         generated = stream.token_ids
         pieces: list[str] = []
         for piece in text_deltas(lm, _timed_first(tokens, lambda: started, timings), (*(lm.prompt.stop_strings if options.prompt_stops else ()), *options.stop), generated):

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .attention import ChunkScaling
 from .cache import BlendedCache
+
+if TYPE_CHECKING:
+    from .decode import TokenDecoder
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class Stream:
     pieces: Iterator[str]
     answer: Answer | None = None
     token_ids: list[int] = field(default_factory=list)  # filled as tokens decode, also when iteration stops early
+    decoder: TokenDecoder | None = None  # the engine's token decoder behind `pieces` (a server batches its forwards)
 
     def __iter__(self) -> Iterator[str]:
         return self.pieces

@@ -102,3 +102,43 @@ def test_a_job_past_its_time_limit_is_stopped_with_a_timeout():
 
     out, error = asyncio.run(main())
     assert isinstance(error, TimeoutError) and 0 < len(out) < 1000
+
+
+def test_running_jobs_decode_in_batches_and_each_gets_its_own_greedy_answer(make_engine):
+    """Four requests over the real engine at once: their decode steps run as batched forwards, and each
+    answer is token for token the one the engine gives it alone (and the one a worker with max_batch=1
+    gives)."""
+    from cacheclip_rag.config import RequestOptions
+    from cacheclip_rag.testing import tiny_model
+    from tests.conftest import CHUNKS
+
+    engine = make_engine(tiny_model("gemma3"))
+    engine.ingest(CHUNKS, progress=False)
+    cases = [("what is the magic number?", CHUNKS[:2], "cacheclip"), ("who wrote it?", CHUNKS[1:3], "full"),
+             ("where is the key?", CHUNKS[::-1], "cacheblend"), ("why?", CHUNKS[:1], "shared_prefix")]
+    alone = [engine.generate(q, texts, RequestOptions(method=m, max_new_tokens=14)).token_ids for q, texts, m in cases]
+
+    def served(max_batch: int) -> tuple[list[list[int]], int]:
+        async def main():
+            loop = asyncio.get_running_loop()
+            worker = Worker(max_queue=8, max_batch=max_batch)
+            jobs = []
+            for q, texts, m in cases:
+                job = Job(lambda q=q, texts=texts, m=m: engine.stream(q, texts, RequestOptions(method=m, max_new_tokens=14)),
+                          loop, timeout_s=120)
+                worker.submit(job)
+                jobs.append(job)
+            for job in jobs:
+                await collect(job)
+            worker.close()
+            return [job.answer.token_ids for job in jobs], worker.batched_steps, [job.error for job in jobs]
+
+        ids, steps, errors = asyncio.run(main())
+        assert errors == [None] * len(cases)
+        return ids, steps
+
+    batched, steps = served(max_batch=8)
+    one_by_one, none = served(max_batch=1)
+    assert batched == alone == one_by_one
+    assert steps > 0 and none == 0
+    assert min(len(ids) for ids in alone) > 1  # every request decoded past its first token

@@ -157,6 +157,8 @@ def check_serve(args: argparse.Namespace) -> None:
               file=sys.stderr)
     if args.max_queue < 1:
         fail(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_batch < 1:
+        fail(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.method not in METHODS:
         fail(f"--method must be one of {', '.join(METHODS)}")
     _check_ratio(args.ratio)
@@ -235,6 +237,8 @@ def parser() -> argparse.ArgumentParser:
     serving.add_argument("--method", default="cacheclip", help="method for recognised prompts")
     serving.add_argument("--ratio", type=float, default=0.2)
     serving.add_argument("--max-queue", type=int, default=8, help="requests waiting or running before 429")
+    serving.add_argument("--max-batch", type=int, default=8,
+                         help="running requests whose decode steps run as one forward (1: one at a time)")
     serving.add_argument("--max-body-mb", type=float, default=8.0)
     serving.add_argument("--timeout-s", type=float, default=600.0, help="per request")
 

@@ -39,6 +39,7 @@ class ServerSettings:
     method: str = "cacheclip"
     ratio: float = 0.2
     max_queue: int = 8
+    max_batch: int = 8  # running requests whose decode steps run as one forward
     max_body_bytes: int = 8 << 20
     timeout_s: float = 600.0
     default_max_tokens: int = 256
@@ -46,8 +47,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         RequestOptions(method=self.method, ratio=self.ratio)  # a clear error for a bad default
-        if self.max_queue < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
-            raise ValueError("max_queue >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
+        if self.max_queue < 1 or self.max_batch < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
+            raise ValueError("max_queue >= 1, max_batch >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
 
 
 class Server:
@@ -57,7 +58,7 @@ class Server:
         self.engine, self.settings = engine, settings
         self.index = engine.chunk_index  # the ingested texts, refreshed from the store as others add to it
         self.index.refresh_s = settings.index_refresh_s
-        self.worker = Worker(settings.max_queue)
+        self.worker = Worker(settings.max_queue, settings.max_batch)
         self.metrics = Metrics()
         self.created = int(time.time())
 
@@ -190,6 +191,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        server.metrics.batched_steps.set(server.worker.batched_steps)
+        server.metrics.batched_rows.set(server.worker.batched_requests)
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -1,5 +1,6 @@
 """The server's Prometheus metrics (one registry per app): requests by endpoint and status, time to
-first token per method, reused and recomputed prompt tokens, store reads per tier, queue depth."""
+first token per method, reused and recomputed prompt tokens, store reads per tier, queue depth,
+batched decode steps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class Metrics:
                                    ["tier", "outcome"], registry=self.registry)
         self.recognised = Counter("cacheclip_chunks_recognised", "stored chunks found in prompts", registry=self.registry)
         self.queue_depth = Gauge("cacheclip_queue_depth", "requests waiting or running", registry=self.registry)
+        self.batched_steps = Gauge("cacheclip_batched_decode_steps", "decode forwards run for 2+ requests at once",
+                                   registry=self.registry)
+        self.batched_rows = Gauge("cacheclip_batched_decode_requests", "request steps inside those forwards",
+                                  registry=self.registry)
 
     def observe_store(self, store: dict[str, float]) -> None:
         for name, value in store.items():

@@ -3,11 +3,14 @@
 The engine runs one forward at a time (a forward already keeps every core busy); the HTTP front is
 async and never blocks on the model. Scheduling puts the first token first: a
 waiting request's prefill runs before the running requests' next decode step, and between two
-prefills one running request decodes one piece (round robin), so decodes go on under a stream of
-arrivals without making the new requests wait for them; with nothing waiting, the running requests
-decode a piece each in turn. A request's time to first token is its own prefill plus the prefills
-and single steps ahead of it, not the whole decodes of the requests before it (bench/RESULTS.md
-compares this with all-prefills-first and with first-come-first-served). A job is admitted only
+prefills the running requests decode one piece each, their next-token forwards run as one batch
+(`batching.forward_rows`, up to `max_batch` requests: a decode step is bound by reading the weights,
+so B requests' steps cost about one request's; bench/results/batching.json), so decodes go on under a
+stream of arrivals without making the new requests wait for them. With `max_batch=1` the running
+requests take turns instead, one piece between two prefills (round robin). A request's time to first
+token is its own prefill plus the prefills and steps ahead of it, not the whole decodes of the
+requests before it (bench/RESULTS.md compares this with all-prefills-first and with
+first-come-first-served). A job is admitted only
 while fewer than `max_queue` are waiting or running (else `QueueFull`: the server answers 429 with
 Retry-After). Text pieces flow back through an asyncio queue as they decode. A job whose client went
 away, or that passed its time limit, is cancelled: its decode stops at its next step and the worker
@@ -25,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..batching import forward_rows
 from ..request import Answer, Stream
 
 DONE = object()  # the end of a job's pieces
@@ -67,12 +71,14 @@ class _Running:
 
 class Worker:
     """One thread running jobs, first tokens first (see the module); `submit` refuses when `max_queue` are
-    waiting or running."""
+    waiting or running; up to `max_batch` running jobs decode a step in one forward."""
 
-    def __init__(self, max_queue: int = 8):
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        self.max_queue = max_queue
+    def __init__(self, max_queue: int = 8, max_batch: int = 8):
+        if max_queue < 1 or max_batch < 1:
+            raise ValueError(f"max_queue and max_batch must be >= 1, got {max_queue} and {max_batch}")
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self.batched_steps = 0  # decode forwards that ran for two requests or more together
+        self.batched_requests = 0  # the request steps inside them
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._active = 0
         self._lock = threading.Lock()
@@ -108,10 +114,29 @@ class Worker:
                 r = self._start(job)
                 if r is not None:
                     running.append(r)
-            if running:  # then one piece of one running job, in turn
-                r = running.popleft()
-                if self._step(r):
-                    running.append(r)
+            if running:  # then one piece of each of the next max_batch running jobs, their forwards batched
+                group = [running.popleft() for _ in range(min(self.max_batch, len(running)))]
+                self._batch_forwards(group)
+                running.extend(r for r in group if self._step(r))
+
+    def _batch_forwards(self, group: list[_Running]) -> None:
+        """Run the next-token forwards the group's decoders are waiting for as one batch and hand each its
+        logits. Jobs without a batchable decoder step on their own; if the batch fails, each job runs its
+        own forward in its step and meets its own error there."""
+        steps = [(d, step) for r in group if not r.job.cancelled.is_set()
+                 and (d := getattr(r.stream, "decoder", None)) is not None and getattr(d, "batchable", False)
+                 and (step := d.pending()) is not None]
+        models = {id(d.lm.model) for d, _ in steps}
+        if len(steps) < 2 or len(models) != 1:
+            return
+        try:
+            logits = forward_rows(steps[0][0].lm.model, [step for _, step in steps])
+        except Exception:  # noqa: BLE001 - each request's own step reports its own error
+            return
+        for (d, _), row in zip(steps, logits):
+            d.provide(row)
+        self.batched_steps += 1
+        self.batched_requests += len(steps)
 
     def _start(self, job: Job) -> _Running | None:
         r = _Running(job, None, time.monotonic())
@@ -152,10 +177,10 @@ class Worker:
     def _finish(self, r: _Running, stop: bool = False) -> None:
         if stop and r.stream is not None:
             r.stream.pieces.close()  # stops the decode: no more forwards for a client that is gone
-        r.job.emit(DONE)
-        with self._lock:
+        with self._lock:  # the slot is free before the client hears the end (a depth read then sees it)
             self._active -= 1
             self._recent_s = 0.8 * self._recent_s + 0.2 * (time.monotonic() - r.started)
+        r.job.emit(DONE)
 
     def close(self) -> None:
         self._jobs.put(None)
