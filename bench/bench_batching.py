@@ -110,16 +110,21 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=150, help="rows per request in the prefill-like forward")
     p.add_argument("--batches", default="2,4")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kinds", default="prefill,decode,ragged_prefill,ragged_decode")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "batching.json"))
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    known = ("prefill", "decode", "ragged_prefill", "ragged_decode")
+    if any(k not in known for k in args.kinds.split(",")):
+        p.error(f"--kinds must name some of {', '.join(known)}")
     if args.context < 1 or args.rows < 1 or args.repeats < 1 or min(batches) < 2:
         p.error("--context, --rows and --repeats must be >= 1, every batch >= 2")
     lm = load_model(args.model)
     model = lm.model
     out = []
     for batch in batches:
-        for kind, rows in (("prefill", args.rows), ("decode", 1), ("ragged_prefill", args.rows), ("ragged_decode", 1)):
+        for kind in args.kinds.split(","):
+            rows = 1 if kind.endswith("decode") else args.rows
             if kind.startswith("ragged"):
                 row = measure_ragged(lm, kind, batch, args.context, rows, args.repeats)
             else:

