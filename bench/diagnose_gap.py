@@ -45,13 +45,9 @@ from cacheclip_rag.recompute import forward_at  # noqa: E402
 FIRST = 4
 
 
-def clone(cache: BlendedCache) -> BlendedCache:
-    return BlendedCache(cache.key_buffer.clone(), cache.value_buffer.clone())
-
-
 def forced_logits(engine: Engine, cache: BlendedCache, plan, answer: list[int]) -> torch.Tensor:
     """[len(answer), V]: the question then the answer read teacher-forced over a copy of `cache`."""
-    c = clone(cache)
+    c = cache.copy()
     ids = list(plan.question_ids) + answer[:-1]
     positions = torch.arange(plan.question_start, plan.question_start + len(ids))
     return forward_at(engine.primary.model, c, torch.tensor([ids]), positions[None], logits_to_keep=len(answer))[0]
@@ -78,7 +74,7 @@ def row_classes(plan) -> dict[str, torch.Tensor]:
 
 
 def repaired(base: BlendedCache, full: BlendedCache, rows: torch.Tensor | None, layers: list[int] | None) -> BlendedCache:
-    c = clone(base)
+    c = base.copy()
     rows = torch.arange(c.capacity) if rows is None else rows
     for layer in range(c.key_buffer.shape[0]) if layers is None else layers:
         c.key_buffer[layer, :, :, rows] = full.key_buffer[layer, :, :, rows]
@@ -102,7 +98,7 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
     base = dict(max_new_tokens=max(answer_tokens, decode_budget(view, sample)), answer_prefix=sample.answer_prefix,
                 prompt_stops=False)
     plan, full = view.prefill(sample.question, chunks, RequestOptions(method="full", **base))
-    full_cache = clone(full.cache)
+    full_cache = full.cache.copy()
     stream = view.decode(plan, full, RequestOptions(method="full", **base))
     for _ in stream:
         if len(stream.token_ids) >= answer_tokens:

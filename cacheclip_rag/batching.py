@@ -89,11 +89,8 @@ class RaggedCache(Cache):
     """Several requests' blended caches seen as one batch by the model's forward."""
 
     def __init__(self, caches: list[BlendedCache], segments: list[tuple[int, int]]):
-        layers = {len(cache.layers) for cache in caches}
-        if len(layers) != 1:
-            raise ValueError(f"the caches of one batch must have the same layers, got {sorted(layers)}")
-        self.caches, self.segments = caches, segments
-        super().__init__(layers=[_RaggedLayer(self, i) for i in range(layers.pop())])
+        self.caches, self.segments = caches, segments  # each cache has the model's layers (`_check`)
+        super().__init__(layers=[_RaggedLayer(self, i) for i in range(len(caches[0].layers))])
 
 
 def _check(model: PreTrainedModel, requests: list[RowsRequest]) -> None:
@@ -129,14 +126,9 @@ def forward_rows(model: PreTrainedModel, requests: list[RowsRequest]) -> list[to
         r.cache.write_at(r.rows.to(device))  # checks the rows fit; sets what each cache's layers write
         masks.append(position_masks(model, r.positions.long().to(device)[None], r.cache.visible_length, dtype))
     batch = RaggedBatch(segments=segments, masks=masks, kinds=layer_types(model))
-    base = model.model
-    context = ForwardContext(query_positions=positions, ragged=batch)
-    with forward_context(context):
-        hidden = base(input_ids=input_ids, position_ids=positions, use_cache=True,
-                      **{cache_argument(type(base)): RaggedCache([r.cache for r in requests], segments)}).last_hidden_state
-    last = hidden[0, (ends - 1).to(device)]  # each request's last row: [B, hidden]
-    logits = model.get_output_embeddings()(last)
-    cap = getattr(text_config(model), "final_logit_softcapping", None)
-    if cap is not None:  # Gemma's final softcap, as its ForCausalLM applies it
-        logits = torch.tanh(logits / cap) * cap
-    return list(logits)
+    cache = RaggedCache([r.cache for r in requests], segments)
+    with forward_context(ForwardContext(query_positions=positions, ragged=batch)):
+        # logits_to_keep as indices: the head (and Gemma's final softcap) runs on each request's last row only
+        out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=(ends - 1).to(device),
+                    **{cache_argument(type(model)): cache})
+    return list(out.logits[0])  # [B, V]

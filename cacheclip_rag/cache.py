@@ -84,6 +84,12 @@ class BlendedCache(Cache):
         shape = (layers, batch, kv_heads, length, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
+    def copy(self) -> BlendedCache:
+        """A cache holding a copy of these rows (built on one buffer, as `empty` builds it)."""
+        if self.key_buffer is None:
+            raise ValueError("copy needs a cache built on one [L, B, KV, N, D] buffer (BlendedCache.empty)")
+        return BlendedCache(self.key_buffer.clone(), self.value_buffer.clone())
+
     @property
     def capacity(self) -> int:
         return self.layers[0].keys.shape[2]

@@ -51,9 +51,14 @@ class TokenDecoder(Iterator[int]):
         """Whether its forwards can join a batch (APE's chunk scaling runs alone)."""
         return self.chunk_scaling is None
 
+    @property
+    def _waiting(self) -> bool:
+        """Whether the next token needs a forward that has not run."""
+        return not self.finished and self._logits is None
+
     def pending(self) -> RowsRequest | None:
         """The forward the next token needs; None when its logits are at hand or decoding is over."""
-        if self.finished or self._logits is not None:
+        if not self._waiting:
             return None
         row = self.position + self._steps - 1
         return RowsRequest(self.cache, torch.tensor([self._last]), torch.tensor([row - self.rope_shift]),
@@ -61,7 +66,7 @@ class TokenDecoder(Iterator[int]):
 
     def provide(self, logits: torch.Tensor) -> None:
         """The logits [V] of `pending()`'s forward, run elsewhere (in a batch)."""
-        if self.pending() is None:
+        if not self._waiting:
             raise RuntimeError("no forward is pending: logits were already provided, or decoding is over")
         self._logits = logits
 

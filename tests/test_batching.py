@@ -23,24 +23,11 @@ def prefilled(lm, length: int, capacity: int, seed: int):
     return cache, logits
 
 
-def clone(cache):
-    copy = new_cache_like(cache)
-    copy.key_buffer.copy_(cache.key_buffer)
-    copy.value_buffer.copy_(cache.value_buffer)
-    return copy
-
-
-def new_cache_like(cache):
-    from cacheclip_rag.cache import BlendedCache
-
-    return BlendedCache(torch.zeros_like(cache.key_buffer), torch.zeros_like(cache.value_buffer))
-
-
 def reference(lm, requests):
     """forward_at on a copy of each request's cache, one request after another."""
     out = []
     for r in requests:
-        cache = clone(r.cache)
+        cache = r.cache.copy()
         logits = forward_at(lm.model, cache, r.input_ids[None], r.positions[None], slots=r.slots)[0, -1]
         out.append((logits, cache))
     return out

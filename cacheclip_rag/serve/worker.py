@@ -129,7 +129,7 @@ class Worker:
         logits. Jobs without a batchable decoder step on their own; if the batch fails, each job runs its
         own forward in its step and meets its own error there."""
         steps = [(d, step) for r in group if not r.job.cancelled.is_set()
-                 and (d := getattr(r.stream, "decoder", None)) is not None and getattr(d, "batchable", False)
+                 and (d := r.stream.decoder) is not None and d.batchable
                  and (step := d.pending()) is not None]
         models = {id(d.lm.model) for d, _ in steps}
         if len(steps) < 2 or len(models) != 1:
