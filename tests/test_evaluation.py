@@ -193,6 +193,12 @@ def test_runner_ratio_one_reproduces_full_and_report_is_written(make_engine, tmp
         assert full.chunks >= 2
     rows, maps = runner.alignment_study(engine, (160,), samples=2)
     assert len(rows) == 2 * 2 and {r.pair for r in rows} == {"aux_last vs pri_last", "pri_first vs pri_last"}
+    again, _ = runner.alignment_study(engine, (160,), samples=2, other_auxes={"same": engine.aux})
+    by_pair = {(r.seed, r.pair): r for r in again}  # the same aux under another name: the same numbers
+    for r in rows:
+        assert by_pair[(r.seed, r.pair)] == r
+        if r.pair == "aux_last vs pri_last":
+            assert replace(by_pair[(r.seed, "same_last vs pri_last")], pair=r.pair) == r
     paths = report.write(tmp_path / "eval", records, rows, maps, {"profile": "test"}, 1.0)
     text = paths["markdown"].read_text()
     assert "| cacheclip @ 1 | 2 |" in text and "Efficiency breakdown" in text and "Jaccard" in text

@@ -3,12 +3,13 @@ Pearson, Spearman), against the primary's first layer and its first global layer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
 from ..engine import Engine
+from ..models import LoadedModel
 from . import ruler
 from .alignment import char_attention, compare
 
@@ -31,9 +32,12 @@ def first_global_layer(engine: Engine) -> int:
 
 
 def alignment_study(engine: Engine, lengths: Sequence[int], seed: int = 0, samples: int = 1,
-                    progress: bool = False) -> tuple[list[AlignmentRow], dict]:
+                    progress: bool = False, other_auxes: Mapping[str, LoadedModel] | None = None,
+                    ) -> tuple[list[AlignmentRow], dict]:
     """Per prose sample: the aux's last layer, the primary's first layer and its first global layer,
     each against the primary's last layer (last-token attention projected onto characters).
+    `other_auxes` (name -> model) are compared on the same samples, the primary read once for all
+    (pairs named "<name>_last vs pri_last").
 
     Returns one row per sample and pair, and the character maps of the first sample (for the plot)."""
     if engine.aux is None:
@@ -53,6 +57,10 @@ def alignment_study(engine: Engine, lengths: Sequence[int], seed: int = 0, sampl
         primary = char_attention(engine.primary, system, chunks, sample.question, tuple(sorted({0, first_global, last})))
         aux = char_attention(engine.aux, system, chunks, sample.question, (aux_last,))[aux_last]
         pairs = [("aux_last vs pri_last", aux), ("pri_first vs pri_last", primary[0])]
+        for name, model in (other_auxes or {}).items():
+            other_last = model.config.num_hidden_layers - 1
+            pairs.append((f"{name}_last vs pri_last",
+                          char_attention(model, system, chunks, sample.question, (other_last,))[other_last]))
         if first_global not in (0, last):
             pairs.append((f"pri_first_global (layer {first_global}) vs pri_last", primary[first_global]))
         for pair, other in pairs:
