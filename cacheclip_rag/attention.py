@@ -33,9 +33,18 @@ SelectedRowsKernel = Callable[..., torch.Tensor]
 
 @dataclass
 class AttentionProbe:
-    """Collects the attention probabilities of one layer during a forward: [B, H, Tq, Tk]."""
+    """Collects the attention probabilities of one layer during a forward: [B, H, Tq, Tk]; with `rows`
+    (bool [Tq]), only their mean over heads and those query rows, [B, Tk] (a probe on every layer of a
+    long prompt would otherwise hold H x Tq x Tk floats per layer)."""
 
     weights: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+    def record(self, probs: torch.Tensor) -> None:
+        if self.rows is None:
+            self.weights = probs
+        else:
+            self.weights = probs[:, :, self.rows.to(probs.device)].float().mean(dim=(1, 2))
 
 
 @dataclass(frozen=True)
@@ -145,7 +154,8 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
             return ragged_attention(module, query, key, value, context.ragged, scaling, softcap, **kwargs), None
         probe = context.probes.get(module.layer_idx)
         if probe is not None:
-            out, probe.weights = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
+            out, probs = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
+            probe.record(probs)
             return out, None
         if context.chunk_scaling is not None:
             return chunk_scaled_attention(query, key, value, attention_mask, scaling, softcap, context.chunk_scaling), None

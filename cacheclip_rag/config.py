@@ -150,6 +150,10 @@ class RequestOptions:
     # diagnostic: the layers whose recomputed chunk rows are written back ("sliding": the sliding-window
     # layers only, "global": the full-attention layers only); elsewhere the stored rows stay as loaded
     recompute_layers: str = "all"
+    # cacheclip: None, the paper's one-stage selection; p in [0, 1): a query-driven second stage (ProphetKV's
+    # idea, `requery`): the aux picks p of the budget, which is recomputed; the question's attention over that
+    # partly corrected cache picks the rest; the union is recomputed in one pass (p of the budget twice)
+    requery: float | None = None
 
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens)
@@ -185,6 +189,13 @@ class RequestOptions:
             _require_int("boundary_tokens", self.boundary_tokens)
             if self.boundary_tokens < 0:
                 raise ValueError(f"boundary_tokens must be >= 0 (or None), got {self.boundary_tokens}")
+        if self.requery is not None:
+            if isinstance(self.requery, bool) or not isinstance(self.requery, (int, float)) \
+                    or not 0.0 <= self.requery < 1.0:
+                raise ValueError(f"requery (the aux's share of the budget) must be a number in [0, 1) or None, "
+                                 f"got {self.requery!r}")
+            if self.boundary_tokens is not None:
+                raise ValueError("requery and boundary_tokens are two selections of the same budget: set one")
         if self.recompute_layers not in RECOMPUTE_LAYERS:
             raise ValueError(f"recompute_layers must be one of {', '.join(RECOMPUTE_LAYERS)}, got {self.recompute_layers!r}")
         if not 0.0 < self.top_p <= 1.0:

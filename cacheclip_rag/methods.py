@@ -19,6 +19,7 @@ from .group import grouped_to_budget
 from .ingest import new_cache
 from .recompute import forward_at
 from .request import Plan, Prefill, Timings
+from .requery import prefill_requery
 from .select import primary_attention_scores, top_k_candidates, value_deviation_scores
 
 if TYPE_CHECKING:
@@ -106,6 +107,8 @@ def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill
 
 def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
     """Aux selection runs in a thread while the primary's caches load; then recompute."""
+    if options.requery is not None:
+        return prefill_requery(engine, plan, options)
     timings = Timings()
     t0 = _now(engine, options)
     with ThreadPoolExecutor(max_workers=1) as pool:

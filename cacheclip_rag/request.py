@@ -116,6 +116,7 @@ class Prefill:
     rope_shift: int = 0  # cache row minus RoPE position for the question and answer (APE's parallel positions)
     chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
     reused_tokens: int = 0  # prompt tokens whose K/V were read from the store and kept as read
+    extra_recomputed: int = 0  # rows recomputed before, then again among recomputed_positions (two-stage selection)
 
 
 @dataclass

@@ -454,11 +454,13 @@ def test_gap_variants_run_in_the_harness_and_keep_the_exact_end(make_engine):
     profile = replace(
         runner.PROFILES["gap"], lengths=(160,), tasks=("single1",), samples=1, ratios=(1.0,), max_new_tokens=4,
         variants=("full", "shared_prefix", "cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only",
-                  "recompute_global_only"),
+                  "recompute_global_only", "cacheclip_requery", "cacheclip_requery_half"),
     )
     by = {r.variant: r for r in runner.run(engine, profile, progress=False)}
-    for name in ("cacheclip_seams", "cacheclip_boundary4"):
+    for name in ("cacheclip_seams", "cacheclip_boundary4", "cacheclip_requery", "cacheclip_requery_half"):
         assert by[name].ratio == 1.0 and by[name].tf_kl < 1e-6 and by[name].output == by["full"].output
+    # the rows stage 1 ran before the final pass count in the budget spent
+    assert by["cacheclip_requery_half"].recomputed_share > by["cacheclip_requery"].recomputed_share
     for name in ("recompute_sliding_only", "recompute_global_only"):
         assert by[name].ratio is None and by[name].recomputed_share > 0.5
     assert by["recompute_global_only"].tf_kl > 1e-6

@@ -21,6 +21,7 @@ class Variant:
     boundary_tokens: int | None = None  # RequestOptions.boundary_tokens
     recompute_layers: str = "all"  # RequestOptions.recompute_layers (a diagnostic)
     fixed_ratio: float | None = None  # run at this ratio whatever the profile's ratios (a diagnostic)
+    requery: float | None = None  # RequestOptions.requery: the query-driven second stage
 
     @property
     def uses_ratio(self) -> bool:
@@ -50,10 +51,15 @@ VARIANTS = {
         Variant("cacheclip_boundary4", "cacheclip", boundary_tokens=4),
         Variant("recompute_sliding_only", "cacheclip", recompute_layers="sliding", fixed_ratio=1.0),
         Variant("recompute_global_only", "cacheclip", recompute_layers="global", fixed_ratio=1.0),
+        # a query-driven second stage (ProphetKV's idea): the question's attention over the reused cache picks
+        # the budget (requery 0), or over the cache after the aux's pick of half the budget was recomputed
+        Variant("cacheclip_requery", "cacheclip", requery=0.0),
+        Variant("cacheclip_requery_half", "cacheclip", requery=0.5),
     )
 }
 
-GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only")
+GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only",
+                "cacheclip_requery", "cacheclip_requery_half")
 MAIN_VARIANTS = ("full", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip")
 
 

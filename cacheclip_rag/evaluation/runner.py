@@ -119,7 +119,8 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
         options = RequestOptions(
             method=variant.method, ratio=ratio if ratio is not None else 0.0, grouping=variant.grouping,
             shared_prefix=variant.shared_prefix, exact_budget=variant.exact_budget,
-            boundary_tokens=variant.boundary_tokens, recompute_layers=variant.recompute_layers, **ape, **base,
+            boundary_tokens=variant.boundary_tokens, recompute_layers=variant.recompute_layers, requery=variant.requery,
+            **ape, **base,
         )
         started = time.perf_counter()
         plan, prefill = engine.prefill(sample.question, chunks, options)
@@ -141,7 +142,7 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
             rows = engine.teacher_forced_logits(plan, prefill, full_tokens)
             tf_kl, tf_top1 = teacher_forced_fidelity(full_rows, rows, full_tokens)
             gold_ll = sequence_log_likelihood(engine.teacher_forced_logits(plan, prefill, gold), gold)
-            recomputed = 0 if name == "full" else int(prefill.recomputed_positions.numel())
+            recomputed = 0 if name == "full" else int(prefill.recomputed_positions.numel()) + prefill.extra_recomputed
             records.append(Record(
                 task=sample.task, length=sample.target_tokens, seed=sample.seed, variant=name, ratio=ratio,
                 prompt_tokens=plan.length, chunk_tokens=chunk_tokens, chunks=len(chunks),

@@ -1,0 +1,115 @@
+"""CacheClip with a query-driven second stage (`RequestOptions(requery=p)`; ProphetKV's idea).
+
+The quality-gap diagnosis found the error spread over the bulk of the chunk tokens, largest in the
+chunk that holds what the question asks for, and only partly reached by the aux's selection. This
+option lets the primary's own question pick most of the budget, under a cache the aux has begun to
+correct:
+1. the aux's selection at p x ratio is recomputed over the blended cache (skipped at p = 0);
+2. the question runs over that partly corrected cache; its attention to each chunk row (heads and the
+   question's own rows averaged), normalised over the chunk rows per layer and averaged over the
+   full-attention layers (every layer where the model has no sliding-window layers), scores the rows;
+3. the rest of the budget goes to the best-scored rows, grouped as CacheClip groups, and stage 1's rows
+   plus these are recomputed with the question in one pass.
+Stage 3 recomputes stage 1's rows again, so that ratio 1 is exact (every row then attends over rows of
+the same pass) and ratio 0 recomputes nothing; those rows and the question's probe pass are the price
+(`Prefill.extra_recomputed`), so budgets are compared by the rows actually run.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attention import AttentionProbe
+from .config import RequestOptions
+from .group import grouped_to_budget
+from .models import layer_types
+from .recompute import forward_at
+from .request import Plan, Prefill, Timings
+from .select import question_tokens, top_k_candidates
+
+if TYPE_CHECKING:
+    from .cache import BlendedCache
+    from .engine import Engine
+
+CHOSEN = 1e30  # stage 1's rows rank above every score; separators rank below (-1e30), as in aux_selection
+
+
+def question_attention(engine: Engine, cache: BlendedCache, plan: Plan, options: RequestOptions) -> torch.Tensor:
+    """The question's attention to each row between the prefix and the question, [question_start -
+    prefix_len], fused over layers as the module doc says. Writes the question's rows into `cache`
+    (the final pass writes them again)."""
+    lm = engine.primary
+    kinds = layer_types(lm.model)
+    layers = [i for i, kind in enumerate(kinds) if kind == "full_attention"] or list(range(len(kinds)))
+    ids, own = question_tokens(lm, plan.question, options.answer_prefix)
+    rows = own if list(ids) == list(plan.question_ids) else torch.ones(len(plan.question_ids), dtype=torch.bool)
+    probes = {layer: AttentionProbe(rows=rows) for layer in layers}
+    positions = plan.question_positions()
+    forward_at(lm.model, cache, torch.tensor([list(plan.question_ids)]), positions[None], probes=probes)
+    fused = torch.zeros(plan.question_start - plan.prefix_len)
+    for probe in probes.values():
+        row = probe.weights[0, plan.prefix_len : plan.question_start].float().cpu()
+        fused += row / row.sum().clamp_min(1e-30)
+    return fused / len(probes)
+
+
+def second_stage(engine: Engine, plan: Plan, options: RequestOptions, scores: torch.Tensor,
+                 first: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per chunk, the rows to recompute (bool): stage 1's `first`, then the best of `scores` up to the
+    budget. Chunk 0 behind the shared prefix is exact already and never chosen; separators rank last."""
+    skip = 1 if options.shared_prefix else 0
+    per_chunk = []
+    for c, ((a, b), chosen) in enumerate(zip(plan.chunk_rows(), first)):
+        score = scores[a:b].clone()
+        if c < skip:
+            score[:] = float("-inf")
+        elif not (plan.bare and plan.bare[c]):
+            outside = torch.tensor([start >= len(plan.texts[c]) for start, _ in plan.char_spans[c]], dtype=torch.bool)
+            score[outside] = -CHOSEN
+        score[chosen] = CHOSEN
+        per_chunk.append(score)
+    if options.grouping:
+        picked = grouped_to_budget(per_chunk, options.ratio, engine.config.window, engine.config.threshold,
+                                   options.exact_budget)
+    else:
+        picked = top_k_candidates(per_chunk, options.ratio)
+    return [p | f for p, f in zip(picked, first)]
+
+
+def prefill_requery(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """CacheClip's prefill with the second stage (see the module doc)."""
+    from .methods import _now  # the methods module dispatches here: imported late
+
+    timings = Timings()
+    t0 = _now(engine, options)
+    share = float(options.requery or 0.0)
+    none = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
+    if share > 0.0 and options.ratio > 0.0:
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the aux selects while the primary's caches load
+            selecting = pool.submit(contextvars.copy_context().run, engine.aux_selection, plan,
+                                    replace(options, ratio=share * options.ratio, requery=None))
+            cache = engine.blended_cache(plan, options, options.shared_prefix)
+            timings.load_s = _now(engine, options) - t0
+            first = selecting.result()
+    else:
+        cache = engine.blended_cache(plan, options, options.shared_prefix)
+        timings.load_s = _now(engine, options) - t0
+        first = none
+    t1 = _now(engine, options)
+    early = engine.positions_of(plan, first)
+    if early.numel():
+        ids = torch.tensor(plan.all_ids())[early]
+        forward_at(engine.primary.model, cache, ids[None], early[None], kernel=engine.kernel)
+    chosen = first
+    if options.ratio > 0.0:
+        chosen = second_stage(engine, plan, options, question_attention(engine, cache, plan, options), first)
+    positions = engine.positions_of(plan, chosen)
+    t2 = _now(engine, options)
+    logits = engine.recompute_and_answer(cache, plan, positions, options)
+    timings.select_s, timings.recompute_s = t2 - t1, _now(engine, options) - t2
+    return Prefill(cache, logits, positions, timings, extra_recomputed=int(early.numel()))
