@@ -145,6 +145,26 @@ def report(done: list[dict], methods: list[str]) -> None:
                   f"(sign test p = {p:.3g})")
 
 
+def plot(done: list[dict], methods: list[str], path: Path) -> None:
+    """Mean teacher-forced KL per method with its bootstrap 95% interval (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    est = [bootstrap_ci([c[m]["tf_kl"] for c in done]) for m in methods]
+    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * len(methods)))
+    ax.errorbar([e.mean for e in est], range(len(methods)), capsize=3, fmt="o",
+                xerr=[[e.mean - e.low for e in est], [e.high - e.mean for e in est]])
+    ax.set_yticks(range(len(methods)), methods)
+    ax.invert_yaxis()
+    ax.set_xlabel("KL(full || method) per answer token, nats (95% CI)")
+    ax.set_title(f"held-out cases (n = {len(done)}), ratio 0.2")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--primary", default="gemma3-270m")
@@ -173,6 +193,8 @@ def main() -> None:
             f.write(json.dumps(result) + "\n")
         done.append(result)
     report(done, methods)
+    plot(done, methods, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
