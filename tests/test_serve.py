@@ -25,6 +25,7 @@ from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.recognize import ChunkIndex, Match, layout  # noqa: E402
 from cacheclip_rag.serve import ServerSettings, create_app  # noqa: E402
 from cacheclip_rag.serve.layouts import render_chat  # noqa: E402
+from cacheclip_rag.serve.worker import Job  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 from tests.conftest import CHUNKS  # noqa: E402
@@ -269,16 +270,32 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
 
 
 def test_a_full_queue_answers_429_with_retry_after(engine):
-    with running(engine, max_queue=1) as (url, server):
-        with httpx.Client(timeout=60) as http:
-            with http.stream("POST", url + "/v1/chat/completions",
-                             json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 1500,
-                                   "stream": True}) as busy:
-                next(busy.iter_lines())
-                second = http.post(url + "/v1/chat/completions",
-                                   json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 2})
+    """The one slot is held by a job that cannot finish until the test lets it (a long HTTP stream could end
+    before the second request arrives on a loaded machine: that made this test flaky)."""
+    release, entered = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(30)
+        raise RuntimeError("released")
+
+    loop = asyncio.new_event_loop()  # where the held job's (no) pieces would go; never run
+    with running(engine, max_queue=1) as (url, server), contextlib.closing(loop):
+        server.worker.submit(Job(hold, loop, 60))
+        assert entered.wait(30)
+        try:
+            second = httpx.post(url + "/v1/chat/completions", timeout=60,
+                                json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 2})
+        finally:
+            release.set()
         assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
         assert second.json()["error"]["code"] == "queue_full"
+        deadline = time.monotonic() + 30
+        while server.worker.depth and time.monotonic() < deadline:  # the slot frees once the job ends
+            time.sleep(0.02)
+        third = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 2})
+        assert third.status_code == 200
 
 
 def test_keys_models_health_and_metrics(live):
