@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from cacheclip_rag.config import EngineConfig
+from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.store import LMDBStore
 from cacheclip_rag.testing import ARCHITECTURES, tiny_model
@@ -47,6 +47,11 @@ def make_engine(tmp_path):
         return Engine(primary=primary, store=store, config=cfg, aux=aux or primary)
 
     return make
+
+
+def prefill(engine, method="cacheclip", ratio=0.2, **kw):
+    """A method's prefill of QUESTION over CHUNKS: (plan, prefill)."""
+    return engine.prefill(QUESTION, CHUNKS, RequestOptions(method=method, ratio=ratio, max_new_tokens=1, **kw))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

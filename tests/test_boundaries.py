@@ -9,14 +9,9 @@ import torch
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.select import boundary_selection
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import CHUNKS, QUESTION, max_diff
+from tests.conftest import CHUNKS, QUESTION, max_diff, prefill
 
 TOL = 1e-4
-
-
-def prefill(engine, method="cacheclip", ratio=0.2, **kw):
-    options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1, **kw)
-    return engine.prefill(QUESTION, CHUNKS, options)
 
 
 @pytest.mark.parametrize("first", [0, 3])

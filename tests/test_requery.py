@@ -13,14 +13,9 @@ from cacheclip_rag.ingest import new_cache
 from cacheclip_rag.recompute import forward_at
 from cacheclip_rag.requery import question_attention
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import CHUNKS, QUESTION, max_diff
+from tests.conftest import CHUNKS, QUESTION, max_diff, prefill
 
 TOL = 1e-4
-
-
-def prefill(engine, method="cacheclip", ratio=0.2, **kw):
-    options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1, **kw)
-    return engine.prefill(QUESTION, CHUNKS, options)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
