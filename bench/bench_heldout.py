@@ -120,7 +120,7 @@ def run_case(engine: Engine, case: dict, methods: list[str], ratio: float) -> di
         else:
             kl, top1 = teacher_forced_fidelity(rows["full"], engine.teacher_forced_logits(plan, prefill, tokens), tokens)
             text = "".join(engine.decode(plan, prefill, options))  # overwrites the forced answer rows first
-        share = (prefill.recomputed_positions.numel() + prefill.extra_recomputed) / max(1, plan.question_start - plan.prefix_len)
+        share = prefill.recomputed_rows / max(1, plan.question_start - plan.prefix_len)
         result[name] = {"tf_kl": kl, "tf_top1": top1, "right": float(case["value"].lower() in text.lower()),
                         "share": 1.0 if name == "full" else share, "answer": text}
     return result

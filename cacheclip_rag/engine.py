@@ -273,7 +273,7 @@ class Engine:
         timings.decode_s = time.perf_counter() - started - timings.ttft_s
         stream.answer = Answer(
             text="".join(pieces), token_ids=generated, method=options.method, ratio=options.ratio,
-            prompt_tokens=length, recomputed_tokens=int(prefill.recomputed_positions.numel()) + prefill.extra_recomputed,
+            prompt_tokens=length, recomputed_tokens=prefill.recomputed_rows,
             first_logits=prefill.logits, timings=timings, reused_tokens=prefill.reused_tokens,
         )
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,10 +20,11 @@ from .group import grouped_to_budget
 from .ingest import new_cache
 from .recompute import forward_at
 from .request import Plan, Prefill, Timings
-from .requery import prefill_requery
+from .requery import requery_positions
 from .select import primary_attention_scores, top_k_candidates, value_deviation_scores
 
 if TYPE_CHECKING:
+    from .cache import BlendedCache
     from .engine import Engine
 
 
@@ -105,23 +107,52 @@ def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill
     return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings, rope_shift=shift, chunk_scaling=scaling)
 
 
-def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    """Aux selection runs in a thread while the primary's caches load; then recompute."""
-    if options.requery is not None:
-        return prefill_requery(engine, plan, options)
-    timings = Timings()
+def _load_while_selecting(engine: Engine, plan: Plan, options: RequestOptions, timings: Timings,
+                          selecting: RequestOptions) -> tuple[BlendedCache, list[torch.Tensor], float]:
+    """The primary's caches loaded while the aux selects under `selecting` in a thread: the cache, the
+    selection and the selection's seconds (`timings.load_s` is set)."""
     t0 = _now(engine, options)
     with ThreadPoolExecutor(max_workers=1) as pool:
         # the aux's store reads count for this request too: the thread runs in a copy of this context
-        selecting = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, options)
+        pending = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, selecting)
         cache = engine.blended_cache(plan, options, options.shared_prefix)
         timings.load_s = _now(engine, options) - t0
-        selected, timings.select_s = selecting.result()
+        selected, select_s = pending.result()
+    return cache, selected, select_s
+
+
+def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """Aux selection runs in a thread while the primary's caches load; then recompute."""
+    if options.requery is not None:
+        return _prefill_requery(engine, plan, options)
+    timings = Timings()
+    cache, selected, timings.select_s = _load_while_selecting(engine, plan, options, timings, options)
     positions = engine.positions_of(plan, selected)
     t1 = _now(engine, options)
     logits = engine.recompute_and_answer(cache, plan, positions, options)
     timings.recompute_s = _now(engine, options) - t1
     return Prefill(cache, logits, positions, timings)
+
+
+def _prefill_requery(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+    """CacheClip with the query-driven second stage (`requery`): the aux's share of the budget selected while
+    the caches load (none at share 0), then the two stages, then the final recompute."""
+    timings = Timings()
+    share = float(options.requery or 0.0)
+    if share > 0.0 and options.ratio > 0.0:
+        stage_one = replace(options, ratio=share * options.ratio, requery=None)
+        cache, first, _ = _load_while_selecting(engine, plan, options, timings, stage_one)
+    else:
+        t0 = _now(engine, options)
+        cache = engine.blended_cache(plan, options, options.shared_prefix)
+        timings.load_s = _now(engine, options) - t0
+        first = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
+    t1 = _now(engine, options)
+    positions, early = requery_positions(engine, cache, plan, options, first)
+    t2 = _now(engine, options)
+    logits = engine.recompute_and_answer(cache, plan, positions, options)
+    timings.select_s, timings.recompute_s = t2 - t1, _now(engine, options) - t2
+    return Prefill(cache, logits, positions, timings, extra_recomputed=early)
 
 
 def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:

@@ -17,9 +17,6 @@ the same pass) and ratio 0 recomputes nothing; those rows and the question's pro
 
 from __future__ import annotations
 
-import contextvars
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +26,7 @@ from .config import RequestOptions
 from .group import grouped_to_budget
 from .models import layer_types
 from .recompute import forward_at
-from .request import Plan, Prefill, Timings
+from .request import Plan
 from .select import question_tokens, top_k_candidates
 
 if TYPE_CHECKING:
@@ -68,9 +65,8 @@ def second_stage(engine: Engine, plan: Plan, options: RequestOptions, scores: to
         score = scores[a:b].clone()
         if c < skip:
             score[:] = float("-inf")
-        elif not (plan.bare and plan.bare[c]):
-            outside = torch.tensor([start >= len(plan.texts[c]) for start, _ in plan.char_spans[c]], dtype=torch.bool)
-            score[outside] = -CHOSEN
+        else:
+            score[plan.separators(c)] = -CHOSEN
         score[chosen] = CHOSEN
         per_chunk.append(score)
     if options.grouping:
@@ -81,26 +77,10 @@ def second_stage(engine: Engine, plan: Plan, options: RequestOptions, scores: to
     return [p | f for p, f in zip(picked, first)]
 
 
-def prefill_requery(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    """CacheClip's prefill with the second stage (see the module doc)."""
-    from .methods import _now  # the methods module dispatches here: imported late
-
-    timings = Timings()
-    t0 = _now(engine, options)
-    share = float(options.requery or 0.0)
-    none = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
-    if share > 0.0 and options.ratio > 0.0:
-        with ThreadPoolExecutor(max_workers=1) as pool:  # the aux selects while the primary's caches load
-            selecting = pool.submit(contextvars.copy_context().run, engine.aux_selection, plan,
-                                    replace(options, ratio=share * options.ratio, requery=None))
-            cache = engine.blended_cache(plan, options, options.shared_prefix)
-            timings.load_s = _now(engine, options) - t0
-            first = selecting.result()
-    else:
-        cache = engine.blended_cache(plan, options, options.shared_prefix)
-        timings.load_s = _now(engine, options) - t0
-        first = none
-    t1 = _now(engine, options)
+def requery_positions(engine: Engine, cache: BlendedCache, plan: Plan, options: RequestOptions,
+                      first: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Stages 1 and 2 over the loaded `cache`: stage 1's rows `first` (per chunk, bool) recomputed, then the
+    positions the final pass recomputes, and how many rows stage 1 ran (they run again in that pass)."""
     early = engine.positions_of(plan, first)
     if early.numel():
         ids = torch.tensor(plan.all_ids())[early]
@@ -108,8 +88,4 @@ def prefill_requery(engine: Engine, plan: Plan, options: RequestOptions) -> Pref
     chosen = first
     if options.ratio > 0.0:
         chosen = second_stage(engine, plan, options, question_attention(engine, cache, plan, options), first)
-    positions = engine.positions_of(plan, chosen)
-    t2 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, positions, options)
-    timings.select_s, timings.recompute_s = t2 - t1, _now(engine, options) - t2
-    return Prefill(cache, logits, positions, timings, extra_recomputed=int(early.numel()))
+    return engine.positions_of(plan, chosen), int(early.numel())

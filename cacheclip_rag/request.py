@@ -54,6 +54,12 @@ class Plan:
             at += len(ids) + len(self.gap_ids(i))
         return offsets
 
+    def separators(self, c: int) -> torch.Tensor:
+        """Chunk c's separator tokens (bool [n_c]): those after its text; none for a chunk stored bare."""
+        if self.bare and self.bare[c]:
+            return torch.zeros(len(self.chunk_ids[c]), dtype=torch.bool)
+        return torch.tensor([start >= len(self.texts[c]) for start, _ in self.char_spans[c]], dtype=torch.bool)
+
     def chunk_rows(self) -> list[tuple[int, int]]:
         """Each chunk's rows [start, stop) relative to the first chunk row (the prefix's end)."""
         return [(o - self.prefix_len, o - self.prefix_len + len(ids)) for o, ids in zip(self.chunk_offsets, self.chunk_ids)]
@@ -117,6 +123,11 @@ class Prefill:
     chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
     reused_tokens: int = 0  # prompt tokens whose K/V were read from the store and kept as read
     extra_recomputed: int = 0  # rows recomputed before, then again among recomputed_positions (two-stage selection)
+
+    @property
+    def recomputed_rows(self) -> int:
+        """Chunk rows run through the model: the recomputed positions, and those run twice."""
+        return int(self.recomputed_positions.numel()) + self.extra_recomputed
 
 
 @dataclass

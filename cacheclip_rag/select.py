@@ -173,9 +173,8 @@ def boundary_selection(plan: Plan, first: int, skip: int, ratio: float) -> list[
     masks = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
     ranked: list[tuple[int, int, int]] = []  # (rank, chunk, token)
     for c in range(skip, len(plan.chunk_ids)):
-        length = len(plan.texts[c]) if not (plan.bare and plan.bare[c]) else None
-        for t, (start, _) in enumerate(plan.char_spans[c]):
-            if length is not None and start >= length:
+        for t, seam in enumerate(plan.separators(c).tolist()):
+            if seam:
                 ranked.append((-1, c, t))
             elif t < first:
                 ranked.append((t, c, t))

@@ -9,17 +9,20 @@ import torch
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.select import boundary_selection
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import CHUNKS, QUESTION, max_diff, prefill
+from tests.conftest import max_diff, prefill
 
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("first", [0, 3])
-def test_boundary_tokens_keep_both_exact_ends(tiny, make_engine, first):
+@pytest.mark.parametrize("option", [{"boundary_tokens": 0}, {"boundary_tokens": 3}, {"requery": 0.0}, {"requery": 0.5}])
+def test_the_selection_options_keep_both_exact_ends(tiny, make_engine, option):
+    """boundary_tokens and requery (tests/test_requery.py): ratio 1 is full attention, ratio 0 is shared-prefix
+    reuse with nothing recomputed (and nothing run twice)."""
     engine = make_engine(tiny)
     full, shared = prefill(engine, "full")[1].logits, prefill(engine, "shared_prefix")[1].logits
-    assert max_diff(prefill(engine, ratio=1.0, boundary_tokens=first)[1].logits, full) < TOL
-    assert max_diff(prefill(engine, ratio=0.0, boundary_tokens=first)[1].logits, shared) < TOL
+    assert max_diff(prefill(engine, ratio=1.0, **option)[1].logits, full) < TOL
+    at_zero = prefill(engine, ratio=0.0, **option)[1]
+    assert max_diff(at_zero.logits, shared) < TOL and at_zero.recomputed_rows == 0
 
 
 def test_boundary_tokens_recompute_every_seam_and_first_tokens_within_the_budget(make_engine):

@@ -199,6 +199,8 @@ def test_runner_ratio_one_reproduces_full_and_report_is_written(make_engine, tmp
         assert by_pair[(r.seed, r.pair)] == r
         if r.pair == "aux_last vs pri_last":
             assert replace(by_pair[(r.seed, "same_last vs pri_last")], pair=r.pair) == r
+    with pytest.raises(ValueError, match="'aux' names the engine's own aux"):
+        runner.alignment_study(engine, (160,), other_auxes={"aux": engine.aux})
     paths = report.write(tmp_path / "eval", records, rows, maps, {"profile": "test"}, 1.0)
     text = paths["markdown"].read_text()
     assert "| cacheclip @ 1 | 2 |" in text and "Efficiency breakdown" in text and "Jaccard" in text

@@ -142,7 +142,7 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
             rows = engine.teacher_forced_logits(plan, prefill, full_tokens)
             tf_kl, tf_top1 = teacher_forced_fidelity(full_rows, rows, full_tokens)
             gold_ll = sequence_log_likelihood(engine.teacher_forced_logits(plan, prefill, gold), gold)
-            recomputed = 0 if name == "full" else int(prefill.recomputed_positions.numel()) + prefill.extra_recomputed
+            recomputed = 0 if name == "full" else prefill.recomputed_rows
             records.append(Record(
                 task=sample.task, length=sample.target_tokens, seed=sample.seed, variant=name, ratio=ratio,
                 prompt_tokens=plan.length, chunk_tokens=chunk_tokens, chunks=len(chunks),

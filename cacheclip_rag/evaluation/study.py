@@ -31,6 +31,10 @@ def first_global_layer(engine: Engine) -> int:
     return next((i for i, t in enumerate(types) if t == "full_attention"), 0)
 
 
+def last_of(model: LoadedModel) -> int:
+    return model.config.num_hidden_layers - 1
+
+
 def alignment_study(engine: Engine, lengths: Sequence[int], seed: int = 0, samples: int = 1,
                     progress: bool = False, other_auxes: Mapping[str, LoadedModel] | None = None,
                     ) -> tuple[list[AlignmentRow], dict]:
@@ -42,29 +46,28 @@ def alignment_study(engine: Engine, lengths: Sequence[int], seed: int = 0, sampl
     Returns one row per sample and pair, and the character maps of the first sample (for the plot)."""
     if engine.aux is None:
         raise ValueError("the alignment study needs an aux model")
+    if "aux" in (other_auxes or {}):
+        raise ValueError("other_auxes: 'aux' names the engine's own aux; give the others other names")
     from .runner import token_counter  # the runner re-exports this study: imported here, not at the top
 
     count = token_counter(engine)
     rows, maps = [], {}
     system = engine.config.system_prompt
-    last = engine.primary.config.num_hidden_layers - 1
+    last = last_of(engine.primary)
     first_global = first_global_layer(engine)
-    aux_last = engine.aux.config.num_hidden_layers - 1
     jobs = [(length, seed + i) for length in lengths for i in range(samples)]
     for length, sample_seed in tqdm(jobs, desc="alignment", disable=not progress, unit="sample"):
         sample = ruler.generate("single2", length, sample_seed, count)
         chunks = ruler.sample_chunks(sample, count)
         primary = char_attention(engine.primary, system, chunks, sample.question, tuple(sorted({0, first_global, last})))
-        aux = char_attention(engine.aux, system, chunks, sample.question, (aux_last,))[aux_last]
-        pairs = [("aux_last vs pri_last", aux), ("pri_first vs pri_last", primary[0])]
-        for name, model in (other_auxes or {}).items():
-            other_last = model.config.num_hidden_layers - 1
-            pairs.append((f"{name}_last vs pri_last",
-                          char_attention(model, system, chunks, sample.question, (other_last,))[other_last]))
+        auxes = {name: char_attention(model, system, chunks, sample.question, (last_of(model),))[last_of(model)]
+                 for name, model in {"aux": engine.aux, **(other_auxes or {})}.items()}
+        pairs = [(f"{name}_last vs pri_last", chars) for name, chars in auxes.items()]
+        pairs.append(("pri_first vs pri_last", primary[0]))
         if first_global not in (0, last):
             pairs.append((f"pri_first_global (layer {first_global}) vs pri_last", primary[first_global]))
         for pair, other in pairs:
             rows.append(AlignmentRow(length, sample_seed, pair, **compare(primary[last], other)))
         if not maps:
-            maps = {"pri_last": primary[last], "pri_first": primary[0], "aux_last": aux, "length": length}
+            maps = {"pri_last": primary[last], "pri_first": primary[0], "aux_last": auxes["aux"], "length": length}
     return rows, maps
