@@ -11,13 +11,19 @@ re-prefill's greedy answer; NIAH score of both answers (retention = transfer / r
 of the hand-off over the target's re-prefill. Writes bench/results/transfer_qwen.json.
 
     python bench/bench_transfer_qwen.py [--texts 200] [--tokens 256] [--length 1024] [--samples 12]
+
+Resumable: each calibration text's KV is kept under `--kv-cache` (one file per model and text, written
+atomically), and each measured sample is appended to `--rows` (a jsonl keyed by direction and seed), so a
+killed run continues where it stopped and a rerun with more `--samples` measures only the new ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
+import os
 import math
 import statistics
 import sys
@@ -33,6 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_transfer import calibration_texts, switch  # noqa: E402
 
 from cacheclip_rag.evaluation import ruler  # noqa: E402
+from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
 from cacheclip_rag.models import LoadedModel, load_model  # noqa: E402
 from cacheclip_rag.transfer import Conversation, TransferConfig, calibrate  # noqa: E402
 from cacheclip_rag.transfer import mapper as mapper_module  # noqa: E402
@@ -82,6 +89,53 @@ def measure(source: LoadedModel, target: LoadedModel, mapper, task: str, length:
             "niah_reprefill": ruler.score(target.tokenizer.decode(answer), sample.references)}
 
 
+def kv_on_disk(text_kv, folder: Path):
+    """`text_kv` that keeps each (model, text) result in `folder`: computed once, across runs too."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def cached(lm, text):
+        path = folder / f"{lm.name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.pt"
+        if path.exists():
+            try:
+                return torch.load(path, weights_only=False)
+            except Exception:  # a damaged file is recomputed, never trusted
+                path.unlink()
+        kv = text_kv(lm, text)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(kv, tmp)
+        os.replace(tmp, path)
+        return kv
+
+    return cached
+
+
+def measured_rows(path: Path) -> dict[tuple, dict]:
+    """Samples already measured, by (direction, length, texts, seed); a torn last line is dropped."""
+    rows = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[(r["direction"], r["length"], r["texts"], r["seed"])] = r
+    return rows
+
+
+def interval(e) -> list[float]:
+    return [e.low, e.high]
+
+
+def retention_interval(results: list[dict], draws: int = 4000) -> list[float]:
+    """Bootstrap 95% interval of NIAH(transfer) / NIAH(re-prefill), resampling samples."""
+    rng = torch.Generator().manual_seed(0)
+    t = torch.tensor([[r["niah_transfer"], r["niah_reprefill"]] for r in results], dtype=torch.float64)
+    idx = torch.randint(len(results), (draws, len(results)), generator=rng)
+    sums = t[idx].sum(1)
+    ratio = (sums[:, 0] / sums[:, 1].clamp(min=1e-12)).sort().values
+    return [float(ratio[int(0.025 * draws)]), float(ratio[int(0.975 * draws) - 1])]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--texts", type=int, default=200)
@@ -90,19 +144,13 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=12, help="RULER samples per direction (over the tasks)")
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "transfer_qwen.json"))
+    p.add_argument("--rows", default=str(ROOT / "bench" / "results" / "transfer_qwen_samples.jsonl"))
+    p.add_argument("--kv-cache", default=str(Path.home() / ".cache" / "cacheclip" / "transfer_kv"))
     args = p.parse_args()
     torch.manual_seed(0)
     small, large = load_model("qwen2.5-coder-0.5b"), load_model("qwen2.5-coder-1.5b")
-    # each text's KV in each model is computed once and serves both directions
-    computed, text_kv = {}, mapper_module.text_kv
-
-    def remembered(lm, text):
-        key = (lm.name, text)
-        if key not in computed:
-            computed[key] = text_kv(lm, text)
-        return computed[key]
-
-    mapper_module.text_kv = remembered
+    mapper_module.text_kv = kv_on_disk(mapper_module.text_kv, Path(args.kv_cache))
+    done = measured_rows(Path(args.rows))
     texts = calibration_texts(args.texts, args.tokens)
     config = TransferConfig(top_k=args.top_k)
     rows, samples = [], {}
@@ -111,7 +159,15 @@ def main() -> int:
         mapper = calibrate(source, target, texts, config)
         calibration_s = time.perf_counter() - t0
         v = mapper.validation
-        results = [measure(source, target, mapper, TASKS[i % len(TASKS)], args.length, i) for i in range(args.samples)]
+        direction = f"{source.name}->{target.name}"
+        for i in range(args.samples):
+            if (direction, args.length, args.texts, i) not in done:
+                row = {"direction": direction, "length": args.length, "texts": args.texts,
+                       **measure(source, target, mapper, TASKS[i % len(TASKS)], args.length, i)}
+                done[(direction, args.length, args.texts, i)] = row
+                with open(args.rows, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        results = [done[(direction, args.length, args.texts, i)] for i in range(args.samples)]
         samples[f"{source.name}->{target.name}"] = results
         reprefill = statistics.fmean(r["niah_reprefill"] for r in results)
         transferred = statistics.fmean(r["niah_transfer"] for r in results)
@@ -123,7 +179,11 @@ def main() -> int:
                      "speedup": statistics.fmean(r["prefill_s"] for r in results) /
                      statistics.fmean(r["transfer_s"] for r in results),
                      "n": len(results), "date": datetime.date.today().isoformat(),
-                     "_calibration_s": calibration_s, "_min_r2": mapper.min_r2,
+                     "_calibration_s": calibration_s,
+                     "_retention_ci": retention_interval(results),
+                     "_niah_transfer_ci": interval(wilson_interval(sum(r["niah_transfer"] for r in results), len(results))),
+                     "_niah_reprefill_ci": interval(wilson_interval(sum(r["niah_reprefill"] for r in results), len(results))),
+                     "_min_r2": mapper.min_r2,
                      "_key_r2_min": min(v["key_r2"]), "_value_r2_min": min(v["value_r2"])})
         print(rows[-1], flush=True)
     print(f"\ncalibration: {args.texts} texts x ~{args.tokens} tokens, top-{args.top_k} source layers, 20% held out; "
@@ -134,7 +194,7 @@ def main() -> int:
     for r in rows:
         print(f"| {r['source']} -> {r['target']} | {r['r2_keys']:.3f} ({r['_key_r2_min']:.3f}) | {r['r2_values']:.3f} "
               f"({r['_value_r2_min']:.3f}) | {r['gate']} | {r['next_token_agree']:.2f} | {r['tf_kl']:.3f} | "
-              f"{r['niah_reprefill']:.2f} | {r['niah_transfer']:.2f} | {r['retention']:.2f} | {r['speedup']:.1f}x |")
+              f"{r['niah_reprefill']:.2f} | {r['niah_transfer']:.2f} | {r['retention']:.2f} {r['_retention_ci']} | {r['speedup']:.1f}x |")
     if args.json:
         out = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
         Path(args.json).write_text(json.dumps({"rows": out, "samples": samples,

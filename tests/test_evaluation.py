@@ -1,9 +1,11 @@
 """The evaluation harness: RULER generator and scorer, fidelity metrics, alignment metrics, runner."""
 
+import importlib.util
 import json
 import math
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -468,3 +470,47 @@ def test_gap_variants_run_in_the_harness_and_keep_the_exact_end(make_engine):
     assert by["recompute_global_only"].tf_kl > 1e-6
     with pytest.raises(ValueError, match="no sliding-window layers"):
         runner.run(make_engine(tiny_model("llama")), profile, progress=False)
+
+
+def _run_folder(folder: Path, rows: list[runner.Record]) -> Path:
+    folder.mkdir()
+    by_sample: dict[int, list[runner.Record]] = {}
+    for r in rows:
+        by_sample.setdefault(r.seed, []).append(r)
+    (folder / runner.RECORDS_FILE).write_text("".join(json.dumps([asdict(r) for r in rs]) + "\n"
+                                                      for rs in by_sample.values()))
+    return folder
+
+
+def test_compare_runs_pairs_a_variant_across_two_folders_and_refuses_different_full_references(tmp_path, capsys, monkeypatch):
+    """bench/compare_runs.py: B's KL is A's + 0.01 on every shared sample (a constant difference, so the
+    interval collapses onto it); a sample only one folder holds is left out; a folder whose `full`
+    answered differently is another primary or sample set, and pairing with it is refused."""
+    spec = importlib.util.spec_from_file_location("compare_runs", Path(__file__).parents[1] / "bench" / "compare_runs.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def record(seed: int, variant: str, tf_kl: float, output: str = "x") -> runner.Record:
+        return runner.Record(task="single1", length=160, seed=seed, variant=variant,
+                             ratio=None if variant == "full" else 0.2, prompt_tokens=10, chunk_tokens=8, chunks=2,
+                             score=1.0, kl=0.0, tf_kl=tf_kl, tf_top1=1.0, gold_ll=-1.0, gold_ll_delta=0.0,
+                             recomputed_share=0.2, load_s=0.0, select_s=0.0, recompute_s=1.0, ttft_s=1.0,
+                             output=output, references=("x",))
+
+    a = _run_folder(tmp_path / "a", [r for s in range(5) for r in (record(s, "full", 0.0),
+                                                                   record(s, "cacheclip", 0.05 + 0.01 * s))])
+    b = _run_folder(tmp_path / "b", [r for s in range(6) for r in (record(s, "full", 0.0),
+                                                                   record(s, "cacheclip", 0.06 + 0.01 * s))])
+    monkeypatch.setattr("sys.argv", ["compare_runs", f"{a}:cacheclip", f"{b}:cacheclip"])
+    assert tool.main() == 0
+    out = capsys.readouterr().out
+    assert "n = 5 paired samples" in out
+    assert "| tf_kl |" in out and "0.010 [0.010, 0.010] (n=5) | 5 / 0" in out
+    other = _run_folder(tmp_path / "other", [r for s in range(5) for r in (record(s, "full", 0.0, output="y"),
+                                                                           record(s, "cacheclip", 0.1))])
+    monkeypatch.setattr("sys.argv", ["compare_runs", f"{a}:cacheclip", f"{other}:cacheclip"])
+    with pytest.raises(ValueError, match="disagree on full"):
+        tool.main()
+    monkeypatch.setattr("sys.argv", ["compare_runs", f"{a}:cacheblend", f"{b}:cacheclip"])
+    with pytest.raises(SystemExit, match="no rows of variant 'cacheblend'"):
+        tool.main()
