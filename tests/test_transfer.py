@@ -8,6 +8,7 @@ target's own logits.
 """
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -149,6 +150,21 @@ def test_gate_refuses_a_poor_mapper_and_another_pair(pair, exact_mapper, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(loaded.key_weights, exact_mapper.key_weights))
     with pytest.raises(MapperError, match="fitted for"):
         Mapper.load(tmp_path / "mapper", target, source)
+
+
+def test_default_gate_refuses_the_measured_mappers_that_lost_needles_and_passes_the_one_that_kept_them(pair,
+                                                                                                      exact_mapper):
+    """Held-out R² means (keys, values) measured on real pairs (bench/RESULTS.md): SmolLM2 -> SmolLM2-pruned kept
+    re-prefill's NIAH accuracy; Qwen2.5-Coder 1.5B -> 0.5B kept 3 of 12 needles, 0.5B -> 1.5B none."""
+    source, target = pair
+    for keys, values, passes in ((0.973, 0.950, True), (0.896, 0.852, False), (0.792, 0.701, False)):
+        mapper = replace(exact_mapper, min_r2=TransferConfig().min_r2,
+                         validation={"key_r2": [keys] * 2, "value_r2": [values] * 2, "rows": 10})
+        if passes:
+            mapper.check(source, target)
+        else:
+            with pytest.raises(MapperError, match="validation gate"):
+                mapper.check(source, target)
 
 
 def test_alignment_by_characters():

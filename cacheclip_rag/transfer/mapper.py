@@ -26,9 +26,11 @@ class TransferConfig:
     top_k: int = 3  # source layers per target layer
     ridge: float = 1e-3  # relative: λ = ridge · mean(diag XᵀX)
     # gate: the held-out R² averaged over layers, for keys and for values, must reach this. Measured
-    # here: a same-architecture pair that keeps NIAH accuracy had 0.97/0.95, a cross-family pair that
-    # lost every needle 0.75/0.71 (bench/RESULTS.md), so 0.85 separates them.
-    min_r2: float = 0.85
+    # here (bench/RESULTS.md): a same-architecture pair that kept NIAH accuracy had 0.97/0.95; SmolLM2 ->
+    # Gemma 3, which lost every needle, 0.75/0.71; the real Qwen2.5-Coder pair on 200 texts 0.79/0.70
+    # (0.5B -> 1.5B, 0 of 12 needles) and 0.90/0.85 (1.5B -> 0.5B, 3 of 12 against re-prefill's 12).
+    # 0.85 let the last through, so the gate sits between 0.85 and 0.95.
+    min_r2: float = 0.90
     select_texts: int = 4  # calibration texts used to rank source layers
     validation_fraction: float = 0.2
     mlp_hidden: int = 0  # > 0: add a residual MLP per target layer on top of the ridge map (for pairs it fails)
