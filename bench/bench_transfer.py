@@ -137,7 +137,7 @@ def main() -> int:
         mapper = calibrate(source, target, texts, config)
         v = mapper.validation
         calib_rows.append((name, time.perf_counter() - t0, statistics.fmean(v["key_r2"]), min(v["key_r2"]),
-                           statistics.fmean(v["value_r2"]), min(v["value_r2"]), mapper.gate_r2 >= mapper.min_r2))
+                           statistics.fmean(v["value_r2"]), min(v["value_r2"]), mapper.passes_gate))
         for length in lengths:
             results = [measure(source, target, mapper, length, seed) for seed in range(args.samples)]
             rows.append((name, length, results))

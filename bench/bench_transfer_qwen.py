@@ -23,8 +23,8 @@ import argparse
 import datetime
 import hashlib
 import json
-import os
 import math
+import os
 import statistics
 import sys
 import time
@@ -94,7 +94,8 @@ def kv_on_disk(text_kv, folder: Path):
     folder.mkdir(parents=True, exist_ok=True)
 
     def cached(lm, text):
-        path = folder / f"{lm.name}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.pt"
+        # keyed by the weights' fingerprint, not the name: other weights under one name are a miss
+        path = folder / f"{lm.fingerprint.digest[:16]}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.pt"
         if path.exists():
             try:
                 return torch.load(path, weights_only=False)
@@ -160,19 +161,19 @@ def main() -> int:
         calibration_s = time.perf_counter() - t0
         v = mapper.validation
         direction = f"{source.name}->{target.name}"
-        for i in range(args.samples):
-            if (direction, args.length, args.texts, i) not in done:
-                row = {"direction": direction, "length": args.length, "texts": args.texts,
-                       **measure(source, target, mapper, TASKS[i % len(TASKS)], args.length, i)}
-                done[(direction, args.length, args.texts, i)] = row
-                with open(args.rows, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-        results = [done[(direction, args.length, args.texts, i)] for i in range(args.samples)]
+        keys = [(direction, args.length, args.texts, i) for i in range(args.samples)]
+        for key in (k for k in keys if k not in done):
+            seed = key[-1]
+            done[key] = {"direction": direction, "length": args.length, "texts": args.texts,
+                         **measure(source, target, mapper, TASKS[seed % len(TASKS)], args.length, seed)}
+            with open(args.rows, "a") as f:
+                f.write(json.dumps(done[key]) + "\n")
+        results = [done[k] for k in keys]
         samples[f"{source.name}->{target.name}"] = results
         reprefill = statistics.fmean(r["niah_reprefill"] for r in results)
         transferred = statistics.fmean(r["niah_transfer"] for r in results)
         rows.append({"source": source.name, "target": target.name, "r2_keys": statistics.fmean(v["key_r2"]),
-                     "r2_values": statistics.fmean(v["value_r2"]), "gate": "pass" if mapper.gate_r2 >= mapper.min_r2
+                     "r2_values": statistics.fmean(v["value_r2"]), "gate": "pass" if mapper.passes_gate
                      else "refused", "next_token_agree": statistics.fmean(r["agree"] for r in results),
                      "tf_kl": statistics.fmean(r["tf_kl"] for r in results), "niah_transfer": transferred,
                      "niah_reprefill": reprefill, "retention": transferred / reprefill if reprefill else math.nan,

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.evaluation.runner import Record, load_records, merge_runs  # noqa: E402
+from cacheclip_rag.evaluation.runner import RECORDS_FILE, Record, load_records, merge_runs  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci, paired_bootstrap_ci, sign_test  # noqa: E402
 
 METRICS = ("score", "tf_kl", "kl")
@@ -27,8 +27,8 @@ def rows_of(spec: str, ratio: float | None) -> tuple[Path, dict[tuple, Record], 
     if not folder:
         raise SystemExit(f"{spec!r}: expected FOLDER:VARIANT")
     path = Path(folder)
-    if not (path / "records.jsonl").exists():
-        raise SystemExit(f"{path}: no records.jsonl")
+    if not (path / RECORDS_FILE).exists():
+        raise SystemExit(f"{path}: no {RECORDS_FILE}")
     picked, full = {}, {}
     for key, records in load_records(path).items():
         for r in records:

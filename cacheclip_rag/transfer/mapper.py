@@ -78,6 +78,10 @@ class Mapper:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         return min(mean(self.validation["key_r2"]), mean(self.validation["value_r2"]))
 
+    @property
+    def passes_gate(self) -> bool:
+        return self.gate_r2 >= self.min_r2
+
     def check(self, source: LoadedModel, target: LoadedModel, force: bool = False) -> None:
         """Refuse a mapper made for another pair, or (unless forced) one below its validation gate."""
         if (self.source_fingerprint, self.target_fingerprint) != (source.fingerprint.digest, target.fingerprint.digest):
@@ -85,7 +89,7 @@ class Mapper:
                 f"mapper was fitted for {self.source_fingerprint[:12]}->{self.target_fingerprint[:12]}, not for "
                 f"{source.name} ({source.fingerprint.digest[:12]}) -> {target.name} ({target.fingerprint.digest[:12]})"
             )
-        if not force and self.gate_r2 < self.min_r2:
+        if not force and not self.passes_gate:
             raise MapperError(
                 f"mapper {source.name}->{target.name} failed its validation gate: mean held-out R² "
                 f"{self.gate_r2:.3f} < {self.min_r2}; pass force=True to apply it anyway"
