@@ -11,6 +11,11 @@ re-prefill's greedy answer; NIAH score of both answers (retention = transfer / r
 of the hand-off over the target's re-prefill. Writes bench/results/transfer_qwen.json.
 
     python bench/bench_transfer_qwen.py [--texts 200] [--tokens 256] [--length 1024] [--samples 12]
+                                        [--top-k 3] [--mlp-hidden 0] [--directions up,down]
+
+A ridge map over many source layers holds one (k·F_source)² float64 accumulator per target layer, keys and
+values: every layer of the 1.5B as the source of the 0.5B (24 × 2 × 7,169²) is ~20 GB, so run such a map
+with `--directions up` (0.5B -> 1.5B) alone.
 
 Resumable: each calibration text's KV is kept under `--kv-cache` (one file per model and text, written
 atomically), and each measured sample is appended to `--rows` (a jsonl keyed by direction and seed), so a
@@ -110,8 +115,14 @@ def kv_on_disk(text_kv, folder: Path):
     return cached
 
 
+def mapper_label(config: TransferConfig) -> str:
+    """The mapper a sample was measured with, as its rows name it: "top3", "top24+mlp256"."""
+    return f"top{config.top_k}" + (f"+mlp{config.mlp_hidden}" if config.mlp_hidden else "")
+
+
 def measured_rows(path: Path) -> dict[tuple, dict]:
-    """Samples already measured, by (direction, length, texts, seed); a torn last line is dropped."""
+    """Samples already measured, by (direction, mapper, length, texts, seed); rows written before the mapper was
+    recorded were measured with the default top-3 ridge map; a torn last line is dropped."""
     rows = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -119,7 +130,7 @@ def measured_rows(path: Path) -> dict[tuple, dict]:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            rows[(r["direction"], r["length"], r["texts"], r["seed"])] = r
+            rows[(r["direction"], r.get("mapper", "top3"), r["length"], r["texts"], r["seed"])] = r
     return rows
 
 
@@ -143,28 +154,34 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--samples", type=int, default=12, help="RULER samples per direction (over the tasks)")
-    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--top-k", type=int, default=3, help="source layers per target layer (more than it has: all)")
+    p.add_argument("--mlp-hidden", type=int, default=0, help="> 0: a residual MLP of this width on the ridge map")
+    p.add_argument("--directions", default="up,down", help="up: 0.5B -> 1.5B, down: 1.5B -> 0.5B")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "transfer_qwen.json"))
     p.add_argument("--rows", default=str(ROOT / "bench" / "results" / "transfer_qwen_samples.jsonl"))
     p.add_argument("--kv-cache", default=str(Path.home() / ".cache" / "cacheclip" / "transfer_kv"))
     args = p.parse_args()
+    directions = args.directions.split(",")
+    if not directions or set(directions) - {"up", "down"}:
+        p.error(f"--directions takes up and/or down, got {args.directions!r}")
     torch.manual_seed(0)
     small, large = load_model("qwen2.5-coder-0.5b"), load_model("qwen2.5-coder-1.5b")
     mapper_module.text_kv = kv_on_disk(mapper_module.text_kv, Path(args.kv_cache))
     done = measured_rows(Path(args.rows))
     texts = calibration_texts(args.texts, args.tokens)
-    config = TransferConfig(top_k=args.top_k)
+    config = TransferConfig(top_k=args.top_k, mlp_hidden=args.mlp_hidden)
+    label = mapper_label(config)
     rows, samples = [], {}
-    for source, target in ((small, large), (large, small)):
+    for source, target in [pair for name, pair in (("up", (small, large)), ("down", (large, small))) if name in directions]:
         t0 = time.perf_counter()
         mapper = calibrate(source, target, texts, config)
         calibration_s = time.perf_counter() - t0
         v = mapper.validation
         direction = f"{source.name}->{target.name}"
-        keys = [(direction, args.length, args.texts, i) for i in range(args.samples)]
+        keys = [(direction, label, args.length, args.texts, i) for i in range(args.samples)]
         for key in (k for k in keys if k not in done):
             seed = key[-1]
-            done[key] = {"direction": direction, "length": args.length, "texts": args.texts,
+            done[key] = {"direction": direction, "mapper": label, "length": args.length, "texts": args.texts,
                          **measure(source, target, mapper, TASKS[seed % len(TASKS)], args.length, seed)}
             with open(args.rows, "a") as f:
                 f.write(json.dumps(done[key]) + "\n")
@@ -172,7 +189,7 @@ def main() -> int:
         samples[f"{source.name}->{target.name}"] = results
         reprefill = statistics.fmean(r["niah_reprefill"] for r in results)
         transferred = statistics.fmean(r["niah_transfer"] for r in results)
-        rows.append({"source": source.name, "target": target.name, "r2_keys": statistics.fmean(v["key_r2"]),
+        rows.append({"source": source.name, "target": target.name, "mapper": label, "r2_keys": statistics.fmean(v["key_r2"]),
                      "r2_values": statistics.fmean(v["value_r2"]), "gate": "pass" if mapper.passes_gate
                      else "refused", "next_token_agree": statistics.fmean(r["agree"] for r in results),
                      "tf_kl": statistics.fmean(r["tf_kl"] for r in results), "niah_transfer": transferred,
@@ -187,7 +204,7 @@ def main() -> int:
                      "_min_r2": mapper.min_r2,
                      "_key_r2_min": min(v["key_r2"]), "_value_r2_min": min(v["value_r2"])})
         print(rows[-1], flush=True)
-    print(f"\ncalibration: {args.texts} texts x ~{args.tokens} tokens, top-{args.top_k} source layers, 20% held out; "
+    print(f"\ncalibration: {args.texts} texts x ~{args.tokens} tokens, mapper {label}, 20% held out; "
           f"RULER {args.length} tokens, tasks {', '.join(TASKS)}; n = {args.samples} per direction")
     print("| source -> target | key R² mean (min) | value R² mean (min) | gate | next-token agree | teacher-forced KL | "
           "NIAH re-prefill | NIAH transfer | retention | speed-up |")

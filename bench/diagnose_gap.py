@@ -7,8 +7,9 @@ the rows of one class are replaced by full attention's own rows (exact values, n
 the question and `full`'s greedy answer are read teacher-forced; the KL(full || repaired) averaged over
 the answer's steps says how much of the error that class carried. Classes: chunk seams (the separator
 tokens between chunks), each chunk's first 4 tokens, the rest; each chunk by its index; the sliding-
-window layers' rows alone, the global layers' rows alone; everything (a sanity check: KL 0). Also
-CacheClip's own cache at 0.2 and 0.5 (recomputed, not repaired), and each with its seams repaired.
+window layers' rows alone, the global layers' rows alone; bands of layers by depth (the first 20%, the
+first and the last half); everything (a sanity check: KL 0). Also CacheClip's own cache at 0.2 and 0.5
+(recomputed, not repaired), and each with its seams repaired.
 Chunk 0 sits behind the prefix exactly as stored, so it is never in error.
 
 Also the relative deviation ||K - K_full|| / ||K_full|| (and V) per class and layer kind of the reused
@@ -82,6 +83,15 @@ def repaired(base: BlendedCache, full: BlendedCache, rows: torch.Tensor | None, 
     return c
 
 
+def depth_bands(layers: int) -> list[tuple[str, list[int]]]:
+    """Every chunk row repaired in a band of layers by depth: the first 20% (what running every chunk row through
+    those layers alone, and no further, would make exact: the price of recomputing 20% of the rows in every
+    layer), the first half, the last half."""
+    first20, half = -(-layers // 5), layers // 2
+    return [("first20_layers", list(range(first20))), ("first50_layers", list(range(half))),
+            ("last50_layers", list(range(half, layers)))]
+
+
 def deviation(cache: BlendedCache, full: BlendedCache, rows: torch.Tensor, layers: list[int]) -> tuple[float, float]:
     out = []
     for a, b in ((cache.key_buffer, full.key_buffer), (cache.value_buffer, full.value_buffer)):
@@ -118,7 +128,7 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
     kl["repair_all"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, None, None), plan, answer))
     for name, rows in classes.items():
         kl[f"repair_{name}"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, rows, None), plan, answer))
-    for name, layers in (("sliding_layers", sliding), ("global_layers", global_)):
+    for name, layers in (("sliding_layers", sliding), ("global_layers", global_), *depth_bands(len(kinds))):
         if layers:
             kl[f"repair_{name}"] = mean_kl(reference, forced_logits(view, repaired(shared.cache, full_cache, chunk_rows, layers), plan, answer))
     dev = {}
@@ -169,7 +179,7 @@ def by_needle(rows: list[dict]) -> dict:
 
 def summarise(rows: list[dict]) -> dict:
     out = {"n": len(rows), "kl": {}, "share_of_shared_prefix_kl_removed": {}, "deviation": {}}
-    for name in rows[0]["kl"]:
+    for name in dict.fromkeys(k for r in rows for k in r["kl"]):  # rows of older runs may lack newer classes
         values = [r["kl"][name] for r in rows if name in r["kl"]]
         out["kl"][name] = vars(bootstrap_ci(values))
         if name != "shared_prefix":

@@ -268,17 +268,44 @@ def test_a_sweep_report_merges_another_run_over_the_same_samples_and_refuses_a_d
         main([str(tmp_path / "nothing") if a == str(tmp_path / "power") else a for a in args])
 
 
+def record(seed: int, variant: str, ratio: float | None, tf_kl: float, score: float = 1.0) -> runner.Record:
+    """A made-up record of single1 at 160 tokens: only what the summaries read varies."""
+    return runner.Record(task="single1", length=160, seed=seed, variant=variant, ratio=ratio, prompt_tokens=10,
+                         chunk_tokens=8, chunks=2, score=score, kl=0.0, tf_kl=tf_kl, tf_top1=1.0, gold_ll=-1.0,
+                         gold_ll_delta=0.0, recomputed_share=ratio or 1.0, load_s=0.0, select_s=0.0,
+                         recompute_s=1.0, ttft_s=1.0, output="x", references=("x",))
+
+
+def test_quality_judges_each_method_against_the_must_hold_by_paired_ratios_of_means():
+    """Retention = mean score / full's, KL share = mean KL / shared-prefix reuse's, both over the samples each
+    pair holds. Constructed: 20 samples, full right on all; method a right on 19 (0.95) with KL a fifth of
+    shared-prefix reuse's on every sample (interval collapses to 0.2): met. Method b right on every sample but
+    KL 0.3x: the KL part fails. Method c KL 0.1x, right on 15 of 20 (0.75): the retention part fails."""
+    seeds = range(20)
+    records = [record(s, "full", None, 0.0) for s in seeds]
+    records += [record(s, "shared_prefix", None, 0.1 + 0.01 * s, score=0.0) for s in seeds]
+    records += [record(s, "cacheclip", 0.2, 0.2 * (0.1 + 0.01 * s), score=float(s != 3)) for s in seeds]
+    records += [record(s, "cacheblend", 0.2, 0.3 * (0.1 + 0.01 * s)) for s in seeds]
+    records += [record(s, "oracle", 0.2, 0.1 * (0.1 + 0.01 * s), score=float(s % 4 != 0)) for s in seeds]
+    methods = {m["method"]: m for m in report.quality(records, 160)["methods"]}
+    assert "must_hold" not in methods["full"] and "must_hold" not in methods["shared_prefix"]
+    a, b, c = methods["cacheclip"], methods["cacheblend"], methods["oracle"]
+    assert a["retention"]["mean"] == pytest.approx(0.95) and a["retention"]["low"] >= 0.85
+    assert [a["kl_share_of_shared_prefix"][k] for k in ("mean", "low", "high")] == pytest.approx([0.2] * 3)
+    assert a["must_hold"] == {"retention": True, "kl": True, "met": True}
+    assert b["must_hold"] == {"retention": True, "kl": False, "met": False}
+    assert c["retention"]["mean"] == pytest.approx(0.75)
+    assert c["must_hold"] == {"retention": False, "kl": True, "met": False}
+    text = report.markdown(records, [], 0.2)
+    assert "| cacheclip @ 0.2 | 20 | 0.95 [" in text and "| 0.20 [0.20, 0.20] | met | met | met |" in text
+    assert "| oracle @ 0.2 | 20 | 0.75 [" in text and "| not met | met | not met |" in text
+
+
 def test_cross_budget_pairs_cacheclip_with_cacheblend_only_at_larger_ratios_on_shared_samples(tmp_path):
     """cacheclip at ratio r − cacheblend at every ratio above r, paired by sample; the report and
     quality JSON carry it. Constructed so the answer is known: cacheclip@0.3's KL is 0.02 below
     cacheblend@0.5's on every sample (the interval collapses to −0.02, all losses); cacheblend@0.1 is
     a smaller budget, so it is not compared, unless the roles are swapped."""
-
-    def record(seed: int, variant: str, ratio: float | None, tf_kl: float, score: float = 1.0) -> runner.Record:
-        return runner.Record(task="single1", length=160, seed=seed, variant=variant, ratio=ratio, prompt_tokens=10,
-                             chunk_tokens=8, chunks=2, score=score, kl=0.0, tf_kl=tf_kl, tf_top1=1.0, gold_ll=-1.0,
-                             gold_ll_delta=0.0, recomputed_share=ratio or 1.0, load_s=0.0, select_s=0.0,
-                             recompute_s=1.0, ttft_s=1.0, output="x", references=("x",))
 
     seeds = range(6)
     records = [record(s, "full", None, 0.0) for s in seeds]

@@ -19,6 +19,11 @@ ORDER = ["full", "direct", "shared_prefix", "ape", "ape_tuned", "cacheblend", "c
          "recompute_global_only"]
 
 
+# The quality-gap issue's must-hold for a reuse method: score retention >= 0.95 with the interval's low end
+# >= 0.85, and a teacher-forced KL to full at most 0.25x shared-prefix reuse's (both ratios of paired means).
+RETENTION_TARGET, RETENTION_FLOOR, KL_SHARE_TARGET = 0.95, 0.85, 0.25
+
+
 def _label(row: dict) -> str:
     return row["variant"] if row["ratio"] is None else f"{row['variant']} @ {row['ratio']:g}"
 
@@ -87,6 +92,17 @@ def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headl
                 f"| {_label(r)} | {r['n']} | {_ci(r['score'], '.2f')} | {retention} | {_ci(r['solved'], '.2f')} | {_ci(r['tf_kl'])} "
                 f"| {_ci(r['tf_top1'], '.2f')} | {_ci(r['kl'])} | {_ci(r['gold_ll_delta'], '.2f')} "
                 f"| {r['recomputed_share']:.3f} | {r['ttft_s']:.2f} | {_num(r['speedup'], '.2f')}× |")
+        judged = [m for m in est.quality[length]["methods"] if "must_hold" in m]
+        if judged:
+            out += ["", f"Against the must-hold ({length} tokens): retention ≥ {RETENTION_TARGET:g} with its low end ≥ "
+                    f"{RETENTION_FLOOR:g}, KL ≤ {KL_SHARE_TARGET:g}× shared-prefix reuse's (ratios of paired means)", "",
+                    "| variant | n | retention vs full | KL / shared-prefix KL | retention | KL | both |",
+                    "|---|---|---|---|---|---|---|"]
+            for m in judged:
+                verdict = m["must_hold"]
+                out.append(f"| {_label({'variant': m['method'], 'ratio': m['ratio']})} | {m['n']} | "
+                           f"{_ci(m['retention'], '.2f')} | {_ci(m['kl_share_of_shared_prefix'], '.2f')} | "
+                           + " | ".join("met" if verdict[k] else "not met" for k in ("retention", "kl", "met")) + " |")
         out += ["", f"Scores per task ({length} tokens; mean over samples)", "",
                 "| variant | " + " | ".join(tasks) + " |", "|---" * (len(tasks) + 1) + "|"]
         for r in mine:
@@ -261,6 +277,7 @@ def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]]
     rows = [r for r in rows or _sorted_rows(summary(records)["rows"]) if r["length"] == length]
     full = next((r for r in rows if r["variant"] == "full"), None)
     base = {(x.task, x.seed): x.score for x in records if x.length == length and x.variant == "full"}
+    shared = {(x.task, x.seed): x.tf_kl for x in records if x.length == length and x.variant == "shared_prefix"}
     diffs = diffs or differences(records)
     out = {"length": length, "methods": [],
            **{k: [d for d in found if d["length"] == length] for k, found in diffs.items()}}
@@ -272,13 +289,26 @@ def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]]
                  "recompute_share_range": [min(x.recomputed_share for x in mine), max(x.recomputed_share for x in mine)]}
         if full is not None and full["score"]["mean"] > 0:
             pairs = [(x.score, base[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in base]
-            entry["retention"] = _retention(pairs)  # mean(method) / mean(full), resampled jointly
+            entry["retention"] = _ratio_of_means(pairs)  # mean(method) / mean(full), resampled jointly
+        kl_pairs = [(x.tf_kl, shared[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in shared]
+        if r["variant"] not in ("full", "shared_prefix") and len(kl_pairs) > 1 and sum(b for _, b in kl_pairs) > 0:
+            entry["kl_share_of_shared_prefix"] = _ratio_of_means(kl_pairs)
+        if "retention" in entry and "kl_share_of_shared_prefix" in entry:
+            entry["must_hold"] = must_hold(entry["retention"], entry["kl_share_of_shared_prefix"])
         out["methods"].append(entry)
     return out
 
 
-def _retention(pairs: Sequence[tuple[float, float]], resamples: int = 10_000, seed: int = 0) -> dict:
-    """mean(method score) / mean(full score) over paired samples, with a paired bootstrap 95% interval."""
+def must_hold(retention: dict, kl_share: dict) -> dict:
+    """The quality-gap issue's verdicts for one method (see RETENTION_TARGET): each part, and both."""
+    kept = retention["mean"] >= RETENTION_TARGET and retention["low"] >= RETENTION_FLOOR
+    close = kl_share["mean"] <= KL_SHARE_TARGET
+    return {"retention": kept, "kl": close, "met": kept and close}
+
+
+def _ratio_of_means(pairs: Sequence[tuple[float, float]], resamples: int = 10_000, seed: int = 0) -> dict:
+    """mean(a) / mean(b) over paired samples (a method's score over full's, or its KL over shared-prefix
+    reuse's), with a paired bootstrap 95% interval."""
     import numpy as np
 
     a = np.array([p[0] for p in pairs], dtype=np.float64)
