@@ -214,11 +214,25 @@ def main() -> int:
               f"({r['_value_r2_min']:.3f}) | {r['gate']} | {r['next_token_agree']:.2f} | {r['tf_kl']:.3f} | "
               f"{r['niah_reprefill']:.2f} | {r['niah_transfer']:.2f} | {r['retention']:.2f} {r['_retention_ci']} | {r['speedup']:.1f}x |")
     if args.json:
-        out = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
-        Path(args.json).write_text(json.dumps({"rows": out, "samples": samples,
-                                               "details": [{k: v for k, v in r.items() if k.startswith("_")}
-                                                           for r in rows]}, indent=1) + "\n")
+        write_rows(Path(args.json), rows, samples)
     return 0
+
+
+def write_rows(path: Path, rows: list[dict], samples: dict[str, list[dict]]) -> None:
+    """Write rows into the JSON, replacing earlier rows of the same (source, target, mapper), keeping the rest."""
+    old = json.loads(path.read_text()) if path.exists() else {"rows": [], "samples": {}, "details": []}
+    key = lambda r: (r["source"], r["target"], r.get("mapper", "top3"))  # noqa: E731
+    new_keys = {key(r) for r in rows}
+    kept = [(r, d) for r, d in zip(old["rows"], old["details"]) if key(r) not in new_keys]
+    fresh = [({k: v for k, v in r.items() if not k.startswith("_")}, {k: v for k, v in r.items() if k.startswith("_")})
+             for r in rows]
+    merged_samples = {direction: [s for s in runs if (s["direction"], s.get("mapper", "top3")) not in
+                                  {(f"{a}->{b}", m) for a, b, m in new_keys}]
+                      for direction, runs in old["samples"].items()}
+    for direction, runs in samples.items():
+        merged_samples.setdefault(direction, []).extend(runs)
+    path.write_text(json.dumps({"rows": [r for r, _ in kept + fresh], "samples": merged_samples,
+                                "details": [d for _, d in kept + fresh]}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

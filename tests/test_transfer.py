@@ -8,7 +8,10 @@ target's own logits.
 """
 
 import copy
+import importlib.util
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +235,25 @@ def test_calibration_with_mlps_validates_and_round_trips(pair, tmp_path):
     keys = torch.randn(source.config.num_hidden_layers, 5, 32)
     # same weights; BLAS may take another path for the loaded (contiguous) copies: rounding only
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(loaded.map(keys, keys), mapper.map(keys, keys)))
+
+
+def test_transfer_results_keep_other_mappers_rows_and_replace_a_rerun(tmp_path):
+    """bench_transfer_qwen writes one JSON for every mapper it was run with: a rerun replaces its own row."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_transfer_qwen.py"
+    spec = importlib.util.spec_from_file_location("bench_transfer_qwen", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(mapper: str, retention: float) -> tuple[list[dict], dict]:
+        row = {"source": "a", "target": "b", "mapper": mapper, "retention": retention, "_calibration_s": 1.0}
+        return [row], {"a->b": [{"direction": "a->b", "mapper": mapper, "niah_transfer": retention}]}
+
+    out = tmp_path / "transfer.json"
+    bench.write_rows(out, *run("top3", 0.0))
+    bench.write_rows(out, *run("top24", 0.5))
+    bench.write_rows(out, *run("top24", 0.75))
+    saved = json.loads(out.read_text())
+    assert [(r["mapper"], r["retention"]) for r in saved["rows"]] == [("top3", 0.0), ("top24", 0.75)]
+    assert [d["_calibration_s"] for d in saved["details"]] == [1.0, 1.0]
+    assert all("_calibration_s" not in r for r in saved["rows"])
+    assert [(s["mapper"], s["niah_transfer"]) for s in saved["samples"]["a->b"]] == [("top3", 0.0), ("top24", 0.75)]
