@@ -110,8 +110,15 @@ def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill
 def _load_while_selecting(engine: Engine, plan: Plan, options: RequestOptions, timings: Timings,
                           selecting: RequestOptions) -> tuple[BlendedCache, list[torch.Tensor], float]:
     """The primary's caches loaded while the aux selects under `selecting` in a thread: the cache, the
-    selection and the selection's seconds (`timings.load_s` is set)."""
+    selection and the selection's seconds (`timings.load_s` is set). An aux that is the primary itself
+    shares its stored caches (the same keys): it selects after the load, so a missing chunk is computed
+    once, by the load, and the request's count of reused tokens does not depend on which thread won."""
     t0 = _now(engine, options)
+    if engine.aux is not None and engine.aux.fingerprint.digest == engine.primary.fingerprint.digest:
+        cache = engine.blended_cache(plan, options, options.shared_prefix)
+        timings.load_s = _now(engine, options) - t0
+        selected, select_s = _timed(engine.aux_selection, plan, selecting)
+        return cache, selected, select_s
     with ThreadPoolExecutor(max_workers=1) as pool:
         # the aux's store reads count for this request too: the thread runs in a copy of this context
         pending = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, selecting)

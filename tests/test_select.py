@@ -3,6 +3,7 @@ import copy
 
 import torch
 
+from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.ingest import SHARED, chunk_unit
 from cacheclip_rag.select import aux_scores, top_k_candidates
 from cacheclip_rag.testing import tiny_model
@@ -136,3 +137,35 @@ def test_int8_aux_is_refused_off_the_cpu():
         EngineConfig(aux_quantization="int8", aux_device="cuda")
     with pytest.raises(ValueError, match="aux_quantization"):
         EngineConfig(aux_quantization="int4")
+
+
+def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_computed_once(make_engine):
+    """The aux and the primary as one model share their stored caches (the same keys). On a cold store the
+    selection must not race the load: the load computes each missing chunk once, the aux then reads it, and
+    the request reports no reused tokens (nothing was stored before it)."""
+    lm = tiny_model("llama")
+    engine = make_engine(lm)  # aux = primary
+    events, writes = [], []
+    load, select, put_many = engine.blended_cache, engine.aux_selection, engine.store.put_many
+
+    def loading(*args, **kwargs):
+        cache = load(*args, **kwargs)
+        events.append("loaded")
+        return cache
+
+    def selecting(*args, **kwargs):
+        events.append("selecting")
+        return select(*args, **kwargs)
+
+    def storing(items, *args, **kwargs):
+        items = list(items)
+        writes.extend(key for key, *_ in items)
+        return put_many(items, *args, **kwargs)
+
+    engine.blended_cache, engine.aux_selection, engine.store.put_many = loading, selecting, storing
+    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1))
+    assert events == ["loaded", "selecting"]
+    assert len(writes) == len(set(writes)) > 0  # every missing entry (and the prefix) written once
+    assert answer.reused_tokens == 0
+    again = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1))
+    assert again.reused_tokens > 0 and len(writes) == len(set(writes))
