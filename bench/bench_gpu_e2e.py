@@ -159,7 +159,7 @@ def main() -> int:
             cases += [(m, r, a) for r in ratios for m, a in (("cacheblend", None), *(("cacheclip", a) for a in engines))]
             for method, ratio, aux in cases:
                 engine = engines[aux] if aux else first
-                options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1)
+                options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1, requery=None)  # the aux's selection
                 engine.generate(question, chunks, options)  # warm-up: kernels compiled, the tier filled
                 r = measure(engine, question, chunks, options, args.repeats)
                 if method == "full":

@@ -32,8 +32,9 @@ VARIANTS = {  # label -> (engine, request options besides the ratio)
     "shared_prefix": ("float", dict(method="shared_prefix")),
     "ape": ("float", dict(method="ape")),
     "cacheblend": ("float", dict(method="cacheblend")),
-    "cacheclip": ("float", dict(method="cacheclip")),
-    "cacheclip, int8 aux": ("int8", dict(method="cacheclip")),
+    "cacheclip": ("float", dict(method="cacheclip", requery=None)),  # the paper's aux selection
+    "cacheclip, int8 aux": ("int8", dict(method="cacheclip", requery=None)),
+    "cacheclip_requery": ("float", dict(method="cacheclip", requery=0.0)),  # the default selection since 2026-12-03
 }
 
 
@@ -64,7 +65,7 @@ def main() -> None:
             base = dict(ratio=args.ratio, max_new_tokens=1, answer_prefix=sample.answer_prefix)
             if i == 0:  # warm-up at this length
                 for which in ("float", "int8"):
-                    engines[which].generate(sample.question, chunks, RequestOptions(method="cacheclip", **base))
+                    engines[which].generate(sample.question, chunks, RequestOptions(method="cacheclip", requery=None, **base))
             full = None
             for label, (which, extra) in VARIANTS.items():
                 engine = engines[which]
@@ -79,7 +80,7 @@ def main() -> None:
                                    ("share", 1.0 if label == "full" else answer.recomputed_tokens / chunk_tokens),
                                    ("kl", first_token_kl(full.first_logits, answer.first_logits))):
                     row.setdefault(key, []).append(value)
-            options = RequestOptions(method="cacheclip", **base)
+            options = RequestOptions(method="cacheclip", requery=None, **base)
             plan = engines["float"].plan(sample.question, chunks, options)
             fp32 = set(engines["float"].positions_of(plan, engines["float"].aux_selection(plan, options)).tolist())
             int8 = set(engines["int8"].positions_of(plan, engines["int8"].aux_selection(plan, options)).tolist())

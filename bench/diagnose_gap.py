@@ -137,7 +137,7 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
             if layers and classes[name].numel():
                 dev[f"shared_{name}_{kind}"] = deviation(shared.cache, full_cache, classes[name], layers)
     for ratio in (0.2, 0.5):
-        _, clip = view.prefill(sample.question, chunks, RequestOptions(method="cacheclip", ratio=ratio, **base))
+        _, clip = view.prefill(sample.question, chunks, RequestOptions(method="cacheclip", ratio=ratio, requery=None, **base))
         kl[f"cacheclip_{ratio}"] = mean_kl(reference, forced_logits(view, clip.cache, plan, answer))
         kl[f"cacheclip_{ratio}+repair_seams"] = mean_kl(
             reference, forced_logits(view, repaired(clip.cache, full_cache, classes["seams"], None), plan, answer))

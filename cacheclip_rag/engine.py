@@ -339,7 +339,8 @@ class Engine:
         scored (no aux pass) and never recomputed. Separator tokens are not chunk text: they rank last."""
         aux = self.aux
         if aux is None:
-            raise ValueError("method 'cacheclip' needs an aux model; set EngineConfig.aux")
+            raise ValueError("cacheclip's aux selection (requery=None or > 0) needs an aux model; set EngineConfig.aux, "
+                             "or use the default selection (requery=0), which needs none")
         prefix, entries = self.entries(aux, plan.texts, SHARED, plan.system_prompt, plan.bare or None)
         question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
         skip = 1 if options.shared_prefix else 0

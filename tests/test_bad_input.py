@@ -64,10 +64,13 @@ def test_bad_config():
         EngineConfig(system_prompt=" ")
 
 
-def test_cacheclip_without_aux_is_a_clear_error(lm, tmp_path):
+def test_the_papers_selection_without_aux_is_a_clear_error_and_the_default_needs_none(lm, tmp_path):
     from cacheclip_rag.engine import Engine
     from cacheclip_rag.store import LMDBStore
 
     engine = Engine(primary=lm, store=LMDBStore(tmp_path), config=EngineConfig(store_path=tmp_path), aux=None)
-    with pytest.raises(ValueError, match="needs an aux model"):
-        engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip"))
+    for requery in (None, 0.5):  # both run the aux's selection
+        with pytest.raises(ValueError, match="needs an aux model"):
+            engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", requery=requery))
+    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2))
+    assert answer.recomputed_tokens > 0  # the default selection (the question's attention) needs no aux

@@ -14,9 +14,10 @@ from tests.conftest import max_diff, prefill
 TOL = 1e-4
 
 
-@pytest.mark.parametrize("option", [{"boundary_tokens": 0}, {"boundary_tokens": 3}, {"requery": 0.0}, {"requery": 0.5}])
+@pytest.mark.parametrize("option", [{"boundary_tokens": 0, "requery": None}, {"boundary_tokens": 3, "requery": None},
+                                    {"requery": None}, {"requery": 0.0}, {"requery": 0.5}])
 def test_the_selection_options_keep_both_exact_ends(tiny, make_engine, option):
-    """boundary_tokens and requery (tests/test_requery.py): ratio 1 is full attention, ratio 0 is shared-prefix
+    """the paper's selection, boundary_tokens and requery (tests/test_requery.py): ratio 1 is full attention, ratio 0 is shared-prefix
     reuse with nothing recomputed (and nothing run twice)."""
     engine = make_engine(tiny)
     full, shared = prefill(engine, "full")[1].logits, prefill(engine, "shared_prefix")[1].logits
@@ -27,8 +28,8 @@ def test_the_selection_options_keep_both_exact_ends(tiny, make_engine, option):
 
 def test_boundary_tokens_recompute_every_seam_and_first_tokens_within_the_budget(make_engine):
     engine = make_engine(tiny_model("llama"))
-    plan, paper = prefill(engine, ratio=0.3)
-    _, bounded = prefill(engine, ratio=0.3, boundary_tokens=2)
+    plan, paper = prefill(engine, ratio=0.3, requery=None)
+    _, bounded = prefill(engine, ratio=0.3, boundary_tokens=2, requery=None)
     chosen = set(bounded.recomputed_positions.tolist())
     for c in range(1, len(plan.chunk_ids)):  # chunk 0 behind the prefix is exact: never recomputed
         start = plan.chunk_offsets[c]

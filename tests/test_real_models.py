@@ -29,8 +29,8 @@ def engine_for(primary, aux, path, store_dtype="float32"):
                   config=EngineConfig(store_path=path, store_dtype=store_dtype))
 
 
-def first_logits(engine, method, chunks, ratio=0.2):
-    return engine.generate(QUESTION, chunks, RequestOptions(method=method, ratio=ratio, max_new_tokens=1)).first_logits
+def first_logits(engine, method, chunks, ratio=0.2, **kw):
+    return engine.generate(QUESTION, chunks, RequestOptions(method=method, ratio=ratio, max_new_tokens=1, **kw)).first_logits
 
 
 def test_smollm2_single_chunk_reuse_equals_full(smollm2, tmp_path):
@@ -52,7 +52,8 @@ def test_gemma_primary_with_smollm2_aux_ratio_one_equals_full(smollm2, tmp_path)
     engine = engine_for(gemma, smollm2, tmp_path)
     chunks = demo_chunks()[:3]
     full = first_logits(engine, "full", chunks)
-    assert max_diff(first_logits(engine, "cacheclip", chunks, ratio=1.0), full) < TOL
+    for requery in (None, 0.0):  # the aux's selection and the question's
+        assert max_diff(first_logits(engine, "cacheclip", chunks, ratio=1.0, requery=requery), full) < TOL
     answer = engine.generate(QUESTION, demo_chunks(), RequestOptions(method="full", max_new_tokens=8))
     assert "96" in answer.text  # the real model answers from the documents
 

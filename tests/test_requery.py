@@ -18,10 +18,10 @@ from tests.conftest import CHUNKS, QUESTION, max_diff, prefill
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_requery_spends_the_budget_and_counts_stage_ones_rows_twice(make_engine, arch):
     engine = make_engine(tiny_model(arch))
-    plan, paper = prefill(engine, ratio=0.3)
+    plan, paper = prefill(engine, ratio=0.3, requery=None)
     _, alone = prefill(engine, ratio=0.3, requery=0.0)
     _, half = prefill(engine, ratio=0.3, requery=0.5)
-    _, aux_half = prefill(engine, ratio=0.15)  # stage 1 of requery=0.5 is the paper's selection at half the ratio
+    _, aux_half = prefill(engine, ratio=0.15, requery=None)  # stage 1 of requery=0.5 is the paper's selection at half the ratio
     budget = math.ceil(0.3 * (plan.question_start - plan.prefix_len) - 1e-9)
     window = engine.config.window
     chunk0 = set(range(plan.chunk_offsets[0], plan.chunk_offsets[1]))
@@ -33,6 +33,24 @@ def test_requery_spends_the_budget_and_counts_stage_ones_rows_twice(make_engine,
     assert half.extra_recomputed == aux_half.recomputed_positions.numel() > 0
     assert set(aux_half.recomputed_positions.tolist()) <= set(half.recomputed_positions.tolist())
     assert set(alone.recomputed_positions.tolist()) != set(paper.recomputed_positions.tolist())
+
+
+def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_selection_is_kept(make_engine):
+    """cacheclip's default is requery=0 (it won on the default primary, bench/RESULTS.md): the aux is not run;
+    requery=None reproduces the paper's aux selection."""
+    engine = make_engine(tiny_model("llama"))
+    calls = []
+    select = engine.aux_selection
+    engine.aux_selection = lambda *a: calls.append(1) or select(*a)
+    assert RequestOptions().requery == 0.0
+    _, default = prefill(engine, ratio=0.3)
+    assert not calls
+    _, alone = prefill(engine, ratio=0.3, requery=0.0)
+    _, paper = prefill(engine, ratio=0.3, requery=None)
+    assert calls == [1]
+    assert torch.equal(default.recomputed_positions, alone.recomputed_positions)
+    assert max_diff(default.logits, alone.logits) == 0
+    assert set(paper.recomputed_positions.tolist()) != set(default.recomputed_positions.tolist())
 
 
 def test_requery_zero_recomputes_the_rows_the_question_attends_to_most(make_engine):
@@ -70,7 +88,8 @@ def test_a_probe_on_rows_keeps_their_mean_over_heads_and_rows():
 
 @pytest.mark.parametrize("kw, match", [({"requery": 1.0}, "requery"), ({"requery": -0.1}, "requery"),
                                        ({"requery": True}, "requery"), ({"requery": "half"}, "requery"),
-                                       ({"requery": 0.5, "boundary_tokens": 2}, "set one")])
+                                       ({"requery": 0.5, "boundary_tokens": 2}, "requery=None"),
+                                       ({"boundary_tokens": 2}, "requery=None")])
 def test_bad_requery_options_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         RequestOptions(**kw)

@@ -124,7 +124,8 @@ def test_int8_aux_selects_nearly_what_the_float_aux_selects(make_engine):
     assert len(fp32 & int8) / len(fp32 | int8) > 0.6
     # selection is all it changes: at ratio 1 the int8-selected answer is full attention's
     full = engine.generate(QUESTION, CHUNKS, RequestOptions(method="full", max_new_tokens=1)).first_logits
-    one = quantized.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=1.0, max_new_tokens=1)).first_logits
+    one = quantized.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=1.0, max_new_tokens=1,
+                                                              requery=None)).first_logits
     assert max_diff(one, full) < 1e-4
 
 
@@ -163,9 +164,11 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
         return put_many(items, *args, **kwargs)
 
     engine.blended_cache, engine.aux_selection, engine.store.put_many = loading, selecting, storing
-    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1))
+    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
+                                                                requery=None))
     assert events == ["loaded", "selecting"]
     assert len(writes) == len(set(writes)) > 0  # every missing entry (and the prefix) written once
     assert answer.reused_tokens == 0
-    again = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1))
+    again = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
+                                                                requery=None))
     assert again.reused_tokens > 0 and len(writes) == len(set(writes))

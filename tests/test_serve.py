@@ -168,6 +168,21 @@ def test_openai_chat_recognises_stored_chunks_and_answers_as_the_engine(live, en
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.model == "cacheclip"
 
 
+def test_a_request_picks_the_selection_and_usage_says_which(live, engine):
+    """extra_body={"cacheclip": {"requery": ...}}: null is the paper's aux selection, a number the query-driven
+    one; absent, the default (0); each answers as the engine does in process with the same options."""
+    url, _ = live
+    messages = rag_messages(CHUNKS[1:])
+    prompt = render_chat(engine, tuple(messages))
+    for chosen in ({"requery": None}, {"requery": 0.5}, {}):
+        reply = client(url).chat.completions.create(
+            model="cacheclip", messages=messages, max_tokens=6,
+            extra_body={"cacheclip": {"method": "cacheclip", "ratio": 0.3, **chosen}})
+        assert reply.usage.model_dump()["cacheclip"]["requery"] == chosen.get("requery", 0.0)
+        options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=6, **chosen)
+        assert reply.choices[0].message.content == in_process(engine, prompt, CHUNKS[1:], options)
+
+
 def test_openai_streaming_sync_and_async_give_the_same_text(live):
     url, _ = live
     whole = client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=8).choices[0]
@@ -332,6 +347,8 @@ BAD = [
                                        "max_tokens": 100000}, 400, "max_tokens"),
     ("an unknown method", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
                            "cacheclip": {"method": "magic"}}, 400, "cacheclip.method"),
+    ("requery not a number", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
+                              "cacheclip": {"requery": "half"}}, 400, "requery"),
     ("documents not strings", {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}],
                                "documents": [1, 2]}, 400, "documents"),
     ("an image part", {"model": "cacheclip", "messages": [{"role": "user", "content": [

@@ -50,6 +50,20 @@ def check_devices(args: argparse.Namespace) -> None:
             fail(f"--{flag.replace('_', '-')} {device!r}: not a device (cpu, cuda, cuda:N)")
 
 
+SELECTIONS = {"question": 0.0, "aux": None}  # --selection -> RequestOptions.requery
+
+
+def add_selection(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--selection", default="question", choices=tuple(SELECTIONS),
+                        help="cacheclip's choice of rows to recompute: question = the question's attention over the "
+                             "reused cache (default; it keeps more of full's answers), aux = the paper's aux-model "
+                             "selection")
+
+
+def requery_of(args: argparse.Namespace) -> float | None:
+    return SELECTIONS[args.selection]
+
+
 def _check_ratio(ratio: float) -> None:
     if not 0.0 <= ratio <= 1.0 or math.isnan(ratio):
         fail(f"--ratio must be in [0, 1], got {ratio}")
@@ -210,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--ratio", type=float, default=0.2)
     demo.add_argument("--questions", type=int, default=DEMO_QUESTION_COUNT)
     demo.add_argument("--max-new-tokens", type=int, default=16)
+    add_selection(demo)
 
     ingest = with_models(sub.add_parser("ingest", help="files or folders (.md/.txt) -> FAISS index + KV store"))
     ingest.add_argument("paths", nargs="+")
@@ -236,6 +251,7 @@ def parser() -> argparse.ArgumentParser:
     serving.add_argument("--model-name", default="cacheclip", help="the model name clients pass")
     serving.add_argument("--method", default="cacheclip", help="method for recognised prompts")
     serving.add_argument("--ratio", type=float, default=0.2)
+    add_selection(serving)
     serving.add_argument("--max-queue", type=int, default=8, help="requests waiting or running before 429")
     serving.add_argument("--max-batch", type=int, default=8,
                          help="running requests whose decode steps run as one forward (1: one at a time)")
@@ -250,6 +266,7 @@ def parser() -> argparse.ArgumentParser:
     query.add_argument("--method", default="cacheclip", choices=METHODS)
     query.add_argument("--ratio", type=float, default=0.2)
     query.add_argument("--max-new-tokens", type=int, default=32)
+    add_selection(query)
 
     evaluate = with_models(sub.add_parser("eval", help="RULER retrieval, fidelity and alignment evaluation"))
     evaluate.add_argument("--profile", default="quick", choices=EVAL_PROFILES)

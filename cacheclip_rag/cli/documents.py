@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig, RequestOptions
-from .args import check_devices, check_models, engine_config, index_dir
+from .args import check_devices, check_models, engine_config, index_dir, requery_of
 
 if TYPE_CHECKING:
     from llama_index.core.schema import Document, TextNode
@@ -192,7 +192,8 @@ def query(args: argparse.Namespace) -> int:
         chunks = [doc.text for doc in documents]
         sources = [(doc.metadata["file"], None) for doc in documents]
     engine = Engine.from_config(engine_config(args))
-    options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens)
+    options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
+                             requery=requery_of(args))
     if args.chunk_files is None:
         from llama_index.core import StorageContext, load_index_from_storage
 

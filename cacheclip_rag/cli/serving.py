@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import engine_config
+from .args import engine_config, requery_of
 
 
 def run(args: argparse.Namespace) -> int:
@@ -12,7 +12,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import ServerSettings, serve
 
     settings = ServerSettings(model=args.model_name, api_keys=tuple(args.api_key), method=args.method,
-                              ratio=args.ratio, max_queue=args.max_queue, max_batch=args.max_batch,
+                              ratio=args.ratio, requery=requery_of(args), max_queue=args.max_queue, max_batch=args.max_batch,
                               max_body_bytes=int(args.max_body_mb * (1 << 20)), timeout_s=args.timeout_s)
     engine = Engine.from_config(engine_config(args))
     serve(engine, settings, host=args.host, port=args.port)

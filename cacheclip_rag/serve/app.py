@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import METHODS, RequestOptions
+from ..config import METHODS, REQUERY_DEFAULT, RequestOptions
 from ..engine import Engine
 from ..ingest import FormattedPrefix
 from ..request import Answer
@@ -38,6 +38,7 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()  # empty: no key needed
     method: str = "cacheclip"
     ratio: float = 0.2
+    requery: float | None = REQUERY_DEFAULT  # cacheclip's selection (None: the paper's aux selection)
     max_queue: int = 8
     max_batch: int = 8  # running requests whose decode steps run as one forward
     max_body_bytes: int = 8 << 20
@@ -46,7 +47,7 @@ class ServerSettings:
     index_refresh_s: float = 2.0  # how often new texts in the store are indexed for recognition
 
     def __post_init__(self) -> None:
-        RequestOptions(method=self.method, ratio=self.ratio)  # a clear error for a bad default
+        RequestOptions(method=self.method, ratio=self.ratio, requery=self.requery)  # a clear error for a bad default
         if self.max_queue < 1 or self.max_batch < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
             raise ValueError("max_queue >= 1, max_batch >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
 
@@ -143,7 +144,8 @@ class Server:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": reused},
                 "cacheclip": {"method": planned.options.method if planned.plan is not None else "full",
-                              "ratio": planned.options.ratio, "chunks_recognised": planned.chunks_recognised,
+                              "ratio": planned.options.ratio, "requery": planned.options.requery,
+                              "chunks_recognised": planned.chunks_recognised,
                               "reused_tokens": reused, "recomputed_chunk_tokens": recomputed if planned.plan else 0,
                               "recognise_s": planned.recognise_s, "timings": timings}}
 
@@ -281,7 +283,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         parsed = chat_request(await server.body(request), (settings.model,), METHODS)
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
         planned = await asyncio.to_thread(plan_chat, engine, server.index, with_default_tokens(parsed), settings.method,
-                                          settings.ratio)
+                                          settings.ratio, settings.requery)
         return await respond(request, planned, "chat")
 
     @app.post("/v1/completions")
@@ -290,7 +292,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         parsed = completion_request(await server.body(request), (settings.model,), METHODS)
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
         planned = await asyncio.to_thread(plan_completion, engine, server.index, with_default_tokens(parsed),
-                                          settings.method, settings.ratio)
+                                          settings.method, settings.ratio, settings.requery)
         return await respond(request, planned, "completion")
 
     def with_default_tokens(parsed):

@@ -63,7 +63,8 @@ class RemoteEngine:
                 "max_tokens": options.max_new_tokens, "temperature": options.temperature, "top_p": options.top_p,
                 "messages": [{"role": "system", "content": options.system_prompt or self.config.system_prompt},
                              {"role": "user", "content": question}],
-                "documents": list(texts), "cacheclip": {"method": options.method, "ratio": options.ratio}}
+                "documents": list(texts), "cacheclip": {"method": options.method, "ratio": options.ratio,
+                                                            "requery": options.requery}}
         if options.stop:
             body["stop"] = list(options.stop)
         if options.seed is not None:

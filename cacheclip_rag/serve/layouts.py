@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from ..config import RequestOptions
+from ..config import REQUERY_DEFAULT, RequestOptions
 from ..engine import Engine
 from ..recognize import ChunkIndex, layout
 from ..request import Plan
@@ -46,10 +46,12 @@ def system_head(engine: Engine, system: str) -> str:
     return rendered[: rendered.index(mark)]
 
 
-def options_for(engine: Engine, generation: Generation, default_method: str, default_ratio: float) -> RequestOptions:
+def options_for(engine: Engine, generation: Generation, default_method: str, default_ratio: float,
+                default_requery: float | None = REQUERY_DEFAULT) -> RequestOptions:
     try:
+        requery = default_requery if generation.requery is None else generation.requery[0]
         return RequestOptions(method=generation.method or default_method,
-                              ratio=default_ratio if generation.ratio is None else generation.ratio,
+                              ratio=default_ratio if generation.ratio is None else generation.ratio, requery=requery,
                               max_new_tokens=generation.max_tokens or 256, temperature=generation.temperature,
                               top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
     except (TypeError, ValueError) as err:
@@ -81,8 +83,8 @@ def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, o
 
 
 def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_method: str,
-              default_ratio: float) -> Planned:
-    options = options_for(engine, request.generation, default_method, default_ratio)
+              default_ratio: float, default_requery: float | None = REQUERY_DEFAULT) -> Planned:
+    options = options_for(engine, request.generation, default_method, default_ratio, default_requery)
     messages = request.messages
     if request.generation.documents:  # the engine's own layout over the given documents
         system = next((m["content"] for m in messages if m["role"] == "system" and m["content"].strip()), None)
@@ -96,8 +98,8 @@ def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_m
 
 
 def plan_completion(engine: Engine, index: ChunkIndex, request: CompletionRequest, default_method: str,
-                    default_ratio: float) -> Planned:
-    options = options_for(engine, request.generation, default_method, default_ratio)
+                    default_ratio: float, default_requery: float | None = REQUERY_DEFAULT) -> Planned:
+    options = options_for(engine, request.generation, default_method, default_ratio, default_requery)
     if request.generation.documents:
         try:
             return Planned(engine.plan(request.prompt, list(request.generation.documents), options), None, options,

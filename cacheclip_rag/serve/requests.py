@@ -38,8 +38,9 @@ class Generation:
     stream: bool
     include_usage: bool
     documents: tuple[str, ...] | None  # explicit chunks (extra_body={"documents": [...]})
-    method: str | None  # extra_body={"cacheclip": {"method", "ratio"}}
+    method: str | None  # extra_body={"cacheclip": {"method", "ratio", "requery"}}
     ratio: float | None
+    requery: tuple[float | None] | None = None  # (value,) when the request names one (null: the paper's selection)
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,18 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
             raise APIError(400, "'documents' must hold at least one document", "documents")
     ours = body.get("cacheclip") or {}
     if not isinstance(ours, dict):
-        raise APIError(400, "'cacheclip' must be an object: {\"method\": ..., \"ratio\": ...}", "cacheclip")
+        raise APIError(400, "'cacheclip' must be an object: {\"method\": ..., \"ratio\": ..., \"requery\": ...}", "cacheclip")
     method = ours.get("method")
     if method is not None and method not in methods:
         raise APIError(400, f"'cacheclip.method' must be one of {', '.join(methods)}, got {method!r}", "cacheclip.method")
     ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, 0.0, 1.0)
+    requery = None
+    if "requery" in ours:
+        requery = (None if ours["requery"] is None else _number(ours, "requery", 0.0, 0.0, 1.0),)
     return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
                       top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), stop=_strings(body.get("stop"), "stop", 4),
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
-                      documents=documents, method=method, ratio=ratio)
+                      documents=documents, method=method, ratio=ratio, requery=requery)
 
 
 def _content(message: dict, i: int) -> str:
