@@ -127,3 +127,23 @@ def test_every_evaluation_profile_can_be_named_on_the_command_line():
     from cacheclip_rag.evaluation.profiles import PROFILES
 
     assert set(EVAL_PROFILES) == set(PROFILES)
+
+
+def test_selection_picks_cacheclips_rows_and_defaults_to_the_librarys_choice():
+    """--selection question|aux on demo, query and serve: question is the library's default (requery 0),
+    aux the paper's selection (requery None)."""
+    from cacheclip_rag.cli.args import parser, requery_of
+    from cacheclip_rag.config import RequestOptions
+
+    for command in (["demo"], ["query", "q?"], ["serve"]):
+        assert requery_of(parser().parse_args(command)) == RequestOptions().requery == 0.0
+        assert requery_of(parser().parse_args([*command, "--selection", "aux"])) is None
+
+
+def test_the_demo_summary_counts_right_answers_and_compares_medians_with_full():
+    from cacheclip_rag.cli.demo import summary
+
+    table = summary({"full": 3, "cacheclip": 2}, {"full": [4.0, 6.0, 5.0], "cacheclip": [1.0, 3.0, 2.0]})
+    rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[3:]}
+    assert "over 3 questions" in table
+    assert rows["full"] == ["3/3", "5.000", "1.00x"] and rows["cacheclip"] == ["2/3", "2.000", "2.50x"]
