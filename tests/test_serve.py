@@ -183,6 +183,31 @@ def test_a_request_picks_the_selection_and_usage_says_which(live, engine):
         assert reply.choices[0].message.content == in_process(engine, prompt, CHUNKS[1:], options)
 
 
+def test_a_prompt_that_asks_before_its_context_is_selected_by_the_aux(live, engine):
+    """The default selection reads the question's attention from the rows after the chunks; when the user's
+    words come before the pasted chunks, the aux selects from those words instead (usage says so)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from cacheclip_rag.recognize import Layout
+    from cacheclip_rag.serve.layouts import selection_for
+
+    url, _ = live
+    asks_first = [{"role": "system", "content": "Answer from the context."},
+                  {"role": "user", "content": QUESTION + "\n\nContext:\n" + "\n\n".join(CHUNKS[1:])}]
+    for messages, selection in ((asks_first, None), (rag_messages(CHUNKS[1:]), 0.0)):
+        reply = client(url).chat.completions.create(model="cacheclip", messages=messages, max_tokens=3)
+        usage = reply.usage.model_dump()["cacheclip"]
+        assert usage["chunks_recognised"] == 2 and usage["requery"] == selection
+    default = RequestOptions()
+    before = Layout(head="Q? ", chunks=("a",), between=("",), tail=" Answer:", question="Q?")
+    after = replace(before, head="", tail=" Q?  Answer:")
+    assert selection_for(engine, before, default).requery is None
+    assert selection_for(engine, after, default) == default
+    assert selection_for(engine, before, RequestOptions(method="cacheblend")).requery == default.requery
+    assert selection_for(SimpleNamespace(aux=None), before, default) == default  # no aux: nothing else to use
+
+
 def test_openai_streaming_sync_and_async_give_the_same_text(live):
     url, _ = live
     whole = client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=8).choices[0]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from ..config import REQUERY_DEFAULT, RequestOptions
 from ..engine import Engine
-from ..recognize import ChunkIndex, layout
+from ..recognize import ChunkIndex, Layout, layout
 from ..request import Plan
 from .requests import APIError, ChatRequest, CompletionRequest, Generation
 
@@ -66,6 +66,17 @@ def _question(messages: tuple[dict, ...], chunks: tuple[str, ...]) -> str:
     return " ".join(text.split()) or messages[-1]["content"][-500:]
 
 
+def selection_for(engine: Engine, found: Layout, options: RequestOptions) -> RequestOptions:
+    """cacheclip's query-driven selection reads the question's attention from the rows after the chunks; a
+    prompt that asks before its context (the user's words are not in the text after the last chunk) is
+    selected by the aux, from the user's words, instead (the paper's selection)."""
+    if options.method != "cacheclip" or options.requery is None or engine.aux is None:
+        return options
+    if " ".join(found.question.split()) in " ".join(found.tail.split()):
+        return options
+    return replace(options, requery=None)
+
+
 def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, options: RequestOptions,
                 messages: tuple[dict, ...] = ()) -> Planned:
     t0 = time.perf_counter()
@@ -73,9 +84,10 @@ def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, o
     recognise_s = time.perf_counter() - t0
     if not matches:
         return Planned(None, prompt, options, 0, recognise_s)
-    if messages:  # the question the aux scores against: the user's words, not the pasted chunks
-        question = _question(messages, tuple(prompt[m.start : m.stop] for m in matches))
     found = layout(prompt, matches, question)
+    if messages:  # the question the aux scores against: the user's words, not the pasted chunks
+        found = replace(found, question=_question(messages, tuple(prompt[m.start : m.stop] for m in matches)))
+        options = selection_for(engine, found, options)
     try:
         return Planned(engine.plan_layout(found, options), None, options, len(matches), recognise_s)
     except ValueError as err:
