@@ -156,15 +156,19 @@ def main() -> int:
                 engine.ingest(chunks, progress=False, direct=False)
             print(f"{length} tokens, {tier} tier: ingest {time.perf_counter() - t1:.1f} s", flush=True)
             cases = ([("full", 0.0, None)] if full_ttft is None else []) + [("shared_prefix", 0.0, None)]
-            cases += [(m, r, a) for r in ratios for m, a in (("cacheblend", None), *(("cacheclip", a) for a in engines))]
+            cases += [(m, r, a) for r in ratios
+                      for m, a in (("cacheblend", None), ("requery", None), *(("cacheclip", a) for a in engines))]
             for method, ratio, aux in cases:
                 engine = engines[aux] if aux else first
-                options = RequestOptions(method=method, ratio=ratio, max_new_tokens=1, requery=None)  # the aux's selection
+                # "cacheclip": the paper's aux selection; "requery": cacheclip's default, the question's attention
+                options = RequestOptions(method="cacheclip" if method == "requery" else method, ratio=ratio,
+                                         max_new_tokens=1, requery=0.0 if method == "requery" else None)
                 engine.generate(question, chunks, options)  # warm-up: kernels compiled, the tier filled
                 r = measure(engine, question, chunks, options, args.repeats)
                 if method == "full":
                     full_ttft = r["ttft"]
-                label = f"{method} (aux {aux.upper()})" if method == "cacheclip" else method
+                label = {"cacheclip": f"cacheclip (aux {(aux or '').upper()})",
+                         "requery": "cacheclip (default: requery)"}.get(method, method)
                 rows.append({"context": length, "ratio": ratio, "method": label, "tier": "-" if method == "full" else tier,
                              "ttft_s": r["ttft"], "load_s": r["load"], "select_s": r["select"],
                              "recompute_s": r["recompute"], "other_s": r["other"], "recomputed": r["recomputed"],

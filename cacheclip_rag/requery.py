@@ -1,4 +1,6 @@
-"""CacheClip with a query-driven second stage (`RequestOptions(requery=p)`; ProphetKV's idea).
+"""CacheClip's query-driven selection (`RequestOptions(requery=p)`; ProphetKV's idea). p = 0 is the default
+since it kept 0.96 of full's RULER 2K answers on the default primary where the paper's aux selection
+(`requery=None`) kept 0.85 (bench/RESULTS.md); p > 0 adds the aux's pick as a first stage.
 
 The quality-gap diagnosis found the error spread over the bulk of the chunk tokens, largest in the
 chunk that holds what the question asks for, and only partly reached by the aux's selection. This
