@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from ..config import REQUERY_DEFAULT, RequestOptions
+from ..config import RequestOptions
 from ..engine import Engine
 from ..recognize import ChunkIndex, Layout, layout
 from ..request import Plan
@@ -47,7 +47,7 @@ def system_head(engine: Engine, system: str) -> str:
 
 
 def options_for(engine: Engine, generation: Generation, default_method: str, default_ratio: float,
-                default_requery: float | None = REQUERY_DEFAULT) -> RequestOptions:
+                default_requery: float | None) -> RequestOptions:
     try:
         requery = default_requery if generation.requery is None else generation.requery[0]
         return RequestOptions(method=generation.method or default_method,
@@ -95,7 +95,7 @@ def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, o
 
 
 def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_method: str,
-              default_ratio: float, default_requery: float | None = REQUERY_DEFAULT) -> Planned:
+              default_ratio: float, default_requery: float | None) -> Planned:
     options = options_for(engine, request.generation, default_method, default_ratio, default_requery)
     messages = request.messages
     if request.generation.documents:  # the engine's own layout over the given documents
@@ -110,7 +110,7 @@ def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_m
 
 
 def plan_completion(engine: Engine, index: ChunkIndex, request: CompletionRequest, default_method: str,
-                    default_ratio: float, default_requery: float | None = REQUERY_DEFAULT) -> Planned:
+                    default_ratio: float, default_requery: float | None) -> Planned:
     options = options_for(engine, request.generation, default_method, default_ratio, default_requery)
     if request.generation.documents:
         try:
