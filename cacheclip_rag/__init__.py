@@ -1,14 +1,23 @@
 """cacheclip-rag: precomputed chunk KV caches, a shared prefix, and aux-guided selective recompute."""
 
+import importlib.util as _importlib_util
+import sys as _sys
 from pathlib import Path as _Path
 
-# `kernels/` and `integrations/` sit beside this package in the source tree and are mapped to
-# `cacheclip_rag.kernels` / `cacheclip_rag.integrations` by pyproject on install. From a plain source
-# checkout on PYTHONPATH (the GPU machine has no package index to install from), the same names
-# resolve through the checkout's root; an installed copy carries them inside the package instead.
+# `kernels/` (Triton kernels, each with a pure-torch reference) and `integrations/` (the LlamaIndex and
+# LangChain adapters) sit beside this package in the source tree and are mapped to `cacheclip_rag.kernels`
+# / `cacheclip_rag.integrations` by pyproject on install. They have no `__init__.py`, so they are never
+# importable as top-level `kernels` / `integrations` (Hugging Face's `kernels` package, which
+# transformers >= 5.25 imports, would otherwise be shadowed by a checkout on `sys.path`). From a source
+# checkout (editable install, or plain PYTHONPATH on the GPU machine, which has no package index) the two
+# names, and only these two, are mapped to the checkout's folders here.
 _root = _Path(__file__).resolve().parent.parent
-if (_root / "kernels" / "selected_attention.py").is_file() and (_root / "pyproject.toml").is_file():
-    __path__.append(str(_root))  # noqa: F821 - a package's __path__
+if (_root / "pyproject.toml").is_file():
+    for _name in ("kernels", "integrations"):
+        if (_root / _name).is_dir() and f"{__name__}.{_name}" not in _sys.modules:
+            _spec = _importlib_util.spec_from_loader(f"{__name__}.{_name}", None, is_package=True)
+            _spec.submodule_search_locations = [str(_root / _name)]
+            _sys.modules[_spec.name] = globals()[_name] = _importlib_util.module_from_spec(_spec)
 
 from .config import METHODS, EngineConfig, RequestOptions
 

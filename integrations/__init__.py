@@ -1,1 +1,0 @@
-"""LlamaIndex and LangChain adapters (thin; the core never imports them)."""
