@@ -1,11 +1,21 @@
 """Finding stored chunks inside ordinary prompts: a client (a RAG framework) pastes retrieved chunks into
 its own template; the engine needs to know where each stored chunk lies to reuse its cache.
 
-`ChunkIndex` holds, per stored chunk text, an anchor (its first `ANCHOR` characters, or all of a shorter
-text) and the chunk's sha256 and length. A prompt is scanned once: every position whose next
-characters are an anchor is a candidate, confirmed by hashing the prompt's text of the chunk's length.
-Memory is a few dozen bytes a chunk (no texts are held), and the scan is one dict lookup a position.
-Matches are taken leftmost first, the longest at a position, never overlapping.
+`ChunkIndex` holds, per stored chunk text, an anchor (its first `ANCHOR` characters; the first
+`SHORT_ANCHOR` of a chunk shorter than `ANCHOR`), the chunk's length, a polynomial hash of the whole
+chunk and a 16-byte sha256 digest; no texts are held. A prompt is scanned in time linear in its length,
+whatever the stored chunks share (a crafted prompt cannot make it quadratic):
+1. the prompt's prefix sums of a polynomial hash (mod the Mersenne prime 2^31 - 1, with a base drawn at
+   random per process, so no one can aim collisions at it) give every window's hash in O(1), all
+   positions at once with numpy;
+2. the positions whose anchor-width window hashes to a stored anchor are the candidates;
+3. each candidate is checked, vectorised, against the whole-chunk hashes of the lengths stored under its
+   anchor: at most `MAX_LENGTHS` lengths an anchor (more chunks sharing one anchor in more lengths than
+   that are still stored, and reused when asked by `documents`, but a prompt may not find the longest
+   ones: a miss only costs the time to compute them, never a wrong answer);
+4. matches are taken leftmost first, the longest at a position, never overlapping, each confirmed by its
+   sha256 before it is taken (so at most the prompt's length is hashed).
+`last_work` counts the element operations of the last scan (window hashes and checks), for tests.
 
 `layout(prompt, matches, question)` cuts the prompt into the engine's layout: the text before the
 first chunk (the shared prefix), each chunk and the text after it, and the rest (`Layout`).
@@ -14,13 +24,19 @@ first chunk (the shared prefix), each chunk and the text after it, and the rest 
 from __future__ import annotations
 
 import hashlib
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 ANCHOR = 48  # characters: long enough to be rare in other text, short enough for small chunks
+SHORT_ANCHOR = 16  # the anchor of a chunk shorter than ANCHOR
 MIN_CHUNK = 16  # shorter texts are not recognised: they would match in too many prompts
+MAX_LENGTHS = 16  # chunk lengths checked per anchor: bounds the work a crafted set of chunks can cause
+_P = (1 << 31) - 1  # Mersenne prime: a product of two residues fits in int64
 
 
 @dataclass(frozen=True)
@@ -50,14 +66,111 @@ def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()[:16]
 
 
+def _code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int64)
+
+
+def _powers(base: int, n: int) -> np.ndarray:
+    """base**k mod P for k < n, vectorised in blocks of 1024."""
+    block = 1024
+    small = np.empty(block, np.int64)
+    small[0] = 1
+    for i in range(1, block):
+        small[i] = small[i - 1] * base % _P
+    step, rows = int(small[-1]) * base % _P, max(1, -(-n // block))
+    big = np.empty(rows, np.int64)
+    big[0] = 1
+    for i in range(1, rows):
+        big[i] = int(big[i - 1]) * step % _P
+    return (big[:, None] * small[None, :] % _P).ravel()[:n]
+
+
+class _Hasher:
+    """Polynomial hashes of windows, position-independent: h(text) = sum text[j] * B**j mod P."""
+
+    def __init__(self) -> None:
+        self.base = 2 + secrets.randbelow(_P - 4)
+        self._pow = _powers(self.base, 1 << 12)
+        self._inv = _powers(pow(self.base, _P - 2, _P), 1 << 12)
+        self._grow = threading.Lock()
+
+    def tables(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self._pow) < n:
+            with self._grow:
+                if len(self._pow) < n:
+                    size = max(n, 2 * len(self._pow))
+                    self._pow, self._inv = _powers(self.base, size), _powers(pow(self.base, _P - 2, _P), size)
+        return self._pow, self._inv
+
+    def of(self, text: str) -> int:
+        points = _code_points(text)
+        power, _ = self.tables(len(points))
+        return int((points * power[: len(points)] % _P).sum() % _P)
+
+    def prefix_sums(self, points: np.ndarray) -> np.ndarray:
+        """S[i] = sum_{k<i} points[k] * B**k mod P, as int64 [n + 1]."""
+        power, _ = self.tables(len(points) + 1)
+        sums = np.zeros(len(points) + 1, np.int64)
+        np.cumsum(points * power[: len(points)] % _P, out=sums[1:])
+        return sums % _P
+
+    def windows(self, sums: np.ndarray, starts: np.ndarray, width: int | np.ndarray) -> np.ndarray:
+        """The hash of text[a : a + width] for every a in `starts` (each window inside the text)."""
+        _, inverse = self.tables(len(sums))
+        return (sums[starts + width] - sums[starts]) % _P * inverse[starts] % _P
+
+
+_HASHER: _Hasher | None = None  # one per process (its tables grow with the longest prompt seen)
+
+
+def _hasher() -> _Hasher:
+    global _HASHER
+    if _HASHER is None:
+        _HASHER = _Hasher()
+    return _HASHER
+
+
+def select_matches(prompt: str, candidates: list[tuple[int, int, bytes]]) -> list[Match]:
+    """Leftmost first, the longest at a position, never overlapping; each confirmed by its sha256 before
+    it is taken (so at most the prompt's length is hashed)."""
+    matches, at = [], 0
+    for start, length, digest in sorted(candidates, key=lambda c: (c[0], -c[1])):
+        if start >= at and _digest(prompt[start : start + length]) == digest:
+            matches.append(Match(start, start + length))
+            at = start + length
+    return matches
+
+
+class _Bucket:
+    """The chunks that share one anchor: by length, their whole-chunk hashes and digests; and the
+    `MAX_LENGTHS` longest lengths, the ones a scan checks (kept as chunks arrive: O(MAX_LENGTHS) each)."""
+
+    __slots__ = ("by_length", "checked")
+
+    def __init__(self) -> None:
+        self.by_length: dict[int, dict[int, bytes]] = {}
+        self.checked: list[int] = []
+
+    def add(self, length: int, whole: int, digest: bytes) -> bool:
+        known = self.by_length.setdefault(length, {})
+        if whole in known:
+            return False
+        known[whole] = digest
+        if length not in self.checked:
+            self.checked = sorted([*self.checked, length], reverse=True)[:MAX_LENGTHS]
+        return True
+
+
 class ChunkIndex:
-    """The stored chunks' anchors, for `find`. Thread-safe; `add` is idempotent."""
+    """The stored chunks' anchors and hashes, for `find`. Thread-safe; `add` is idempotent."""
 
     def __init__(self, texts: Iterable[str] = ()):
-        self._anchors: dict[str, set[tuple[int, bytes]]] = {}  # anchor -> {(length, digest)}
-        self._short_lengths: set[int] = set()  # anchors shorter than ANCHOR (whole short chunks)
+        self._hasher = _hasher()
+        self._buckets: dict[int, dict[int, _Bucket]] = {ANCHOR: {}, SHORT_ANCHOR: {}}  # width -> anchor -> bucket
+        self._keys: dict[int, np.ndarray] = {}  # width -> the anchor hashes, sorted, for a vectorised lookup
         self._count = 0
         self._lock = threading.Lock()
+        self.last_work = 0
         self.add(texts)
 
     def __len__(self) -> int:
@@ -66,41 +179,69 @@ class ChunkIndex:
     def add(self, texts: Iterable[str]) -> int:
         """Index `texts`; returns how many were new."""
         added = 0
-        with self._lock:
-            for text in texts:
-                if len(text) < MIN_CHUNK:
-                    continue
-                anchor = text[:ANCHOR]
-                entry = (len(text), _digest(text))
-                bucket = self._anchors.setdefault(anchor, set())
-                if entry in bucket:
-                    continue
-                bucket.add(entry)
-                added += 1
-                if len(anchor) < ANCHOR:
-                    self._short_lengths.add(len(anchor))
-            self._count += added
+        for text in texts:
+            if len(text) < MIN_CHUNK:
+                continue
+            width = ANCHOR if len(text) >= ANCHOR else SHORT_ANCHOR
+            anchor, whole, digest = self._hasher.of(text[:width]), self._hasher.of(text), _digest(text)
+            with self._lock:
+                buckets = self._buckets[width]
+                if anchor not in buckets:
+                    buckets[anchor] = _Bucket()
+                    self._keys.pop(width, None)  # rebuilt at the next scan
+                if buckets[anchor].add(len(text), whole, digest):
+                    added += 1
+                    self._count += 1
         return added
+
+    def _anchor_keys(self, width: int) -> np.ndarray:
+        with self._lock:
+            keys = self._keys.get(width)
+            if keys is None:
+                keys = self._keys[width] = np.sort(np.fromiter(self._buckets[width], np.int64, len(self._buckets[width])))
+            return keys
+
+    def _checks(self, width: int, anchor: int) -> list[tuple[int, dict[int, bytes]]]:
+        with self._lock:
+            bucket = self._buckets[width][anchor]
+            return [(length, dict(bucket.by_length[length])) for length in bucket.checked]
+
+    def candidates(self, prompt: str) -> list[tuple[int, int, bytes]]:
+        """(start, length, digest) of every window whose anchor and whole-chunk hashes match."""
+        if len(prompt) < MIN_CHUNK or not self._count:
+            return []
+        points = _code_points(prompt)
+        sums, n, work, found = self._hasher.prefix_sums(points), len(points), len(points), []
+        for width in (ANCHOR, SHORT_ANCHOR):
+            keys = self._anchor_keys(width)
+            if n < width or not len(keys):
+                continue
+            starts = np.arange(n - width + 1)
+            hashes = self._hasher.windows(sums, starts, width)
+            work += len(starts)
+            hit = keys[np.minimum(np.searchsorted(keys, hashes), len(keys) - 1)] == hashes  # keys: sorted
+            starts, hashes = starts[hit], hashes[hit]
+            for anchor in np.unique(hashes).tolist():
+                at = starts[hashes == anchor]
+                work += len(at)
+                for length, wholes in self._checks(width, anchor):
+                    fits = at[at + length <= n]
+                    work += len(fits)
+                    if not len(fits):
+                        continue
+                    values = self._hasher.windows(sums, fits, length)
+                    same = np.isin(values, np.fromiter(wholes, np.int64, len(wholes)))
+                    found += [(start, length, wholes[value]) for start, value in zip(fits[same].tolist(),
+                                                                                    values[same].tolist())]
+        self.last_work = work
+        return found
 
     def find(self, prompt: str) -> list[Match]:
         """Every stored chunk found in `prompt`, leftmost first, the longest at a position, not overlapping."""
-        with self._lock:
-            anchors, short = self._anchors, sorted(self._short_lengths, reverse=True)
-        matches, at, end = [], 0, len(prompt)
-        while at <= end - MIN_CHUNK:
-            best = 0
-            for width in (ANCHOR, *short):
-                bucket = anchors.get(prompt[at : at + width])
-                if bucket:
-                    for length, digest in bucket:
-                        if length > best and at + length <= end and _digest(prompt[at : at + length]) == digest:
-                            best = length
-            if best:
-                matches.append(Match(at, at + best))
-                at += best
-            else:
-                at += 1
-        return matches
+        if len(prompt) < MIN_CHUNK or not self._count:
+            self.last_work = 0
+            return []
+        return select_matches(prompt, self.candidates(prompt))
 
 
 def layout(prompt: str, matches: Sequence[Match], question: str) -> Layout:

@@ -23,7 +23,7 @@ import uvicorn  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.recognize import ChunkIndex, Match, layout  # noqa: E402
-from cacheclip_rag.serve import ServerSettings, create_app  # noqa: E402
+from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402
 from cacheclip_rag.serve.layouts import render_chat  # noqa: E402
 from cacheclip_rag.serve.worker import Job  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
@@ -44,8 +44,9 @@ def free_port() -> int:
 def running(engine: Engine, **settings):
     """The app under a real uvicorn on a loopback port, in a thread; stopped on the way out."""
     port = free_port()
-    app = create_app(engine, ServerSettings(**settings))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    serving = ServerSettings(**settings)
+    app = create_app(engine, serving)
+    server = uvicorn.Server(uvicorn_config(app, serving, "127.0.0.1", port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -343,9 +344,10 @@ def test_keys_models_health_and_metrics(live):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in client(url).models.list()] == ["cacheclip"]
-    assert httpx.get(url + "/health").json()["status"] == "ok"  # no key needed to ask if it is up
+    assert httpx.get(url + "/health").json() == {"status": "ok"}  # no key needed, and it tells nothing else
     client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=2)
-    metrics = httpx.get(url + "/metrics").text
+    assert httpx.get(url + "/metrics").status_code == 401  # per-request timings and reuse counts need a key
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("cacheclip_requests_total", "cacheclip_ttft_seconds_bucket", "cacheclip_prompt_tokens_total",
                  "cacheclip_store_reads_total", "cacheclip_queue_depth"):
         assert name in metrics, name

@@ -190,7 +190,20 @@ def check_bench(args: argparse.Namespace) -> None:
 def check_serve(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         fail(f"--port must be in 1..65535, got {args.port}")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.keys is not None:
+        from ..serve.keys import load_keys
+
+        if args.api_key:
+            fail("--keys and --api-key: give the keys one way (the keys file can hold an admin key)")
+        try:
+            load_keys(args.keys)
+        except ValueError as err:
+            fail(str(err))
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        fail(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
+    if not args.header_timeout_s > 0 or args.max_connections < 1:
+        fail("--header-timeout-s must be > 0 and --max-connections >= 1")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key and args.keys is None:
         print(f"warning: serving on {args.host} without --api-key: anyone who reaches it can use the model",
               file=sys.stderr)
     if args.max_queue < 1:
@@ -272,6 +285,9 @@ def parser() -> argparse.ArgumentParser:
     serving.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     serving.add_argument("--port", type=int, default=8000)
     serving.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
+    serving.add_argument("--keys", default=None, metavar="FILE",
+                         help="tenants: a JSON file of key -> {\"tenant\": name, \"roles\": [\"ingest\"|\"admin\"]}; "
+                              "each tenant's chunks are its own (instead of --api-key)")
     serving.add_argument("--model-name", default="cacheclip", help="the model name clients pass")
     serving.add_argument("--method", default="cacheclip", help="method for recognised prompts")
     serving.add_argument("--ratio", type=float, default=0.2)
@@ -280,6 +296,11 @@ def parser() -> argparse.ArgumentParser:
     serving.add_argument("--max-batch", type=int, default=8,
                          help="running requests whose decode steps run as one forward (1: one at a time)")
     serving.add_argument("--max-body-mb", type=float, default=8.0)
+    serving.add_argument("--max-prompt-chars", type=int, default=None,
+                         help="refuse longer prompts before tokenizing (default: 16 per token of the model's context)")
+    serving.add_argument("--header-timeout-s", type=float, default=10.0,
+                         help="close a connection whose request headers take longer")
+    serving.add_argument("--max-connections", type=int, default=256, help="open connections before 503")
     serving.add_argument("--timeout-s", type=float, default=600.0, help="per request")
 
     query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,20 +29,32 @@ from ..ingest import FormattedPrefix
 from ..request import Answer
 from .layouts import Planned, plan_chat, plan_completion, system_head
 from .metrics import Metrics
-from .requests import APIError, chat_request, completion_request, parse_json
+from .requests import APIError, chat_request, check_fields, completion_request, parse_json
+from .keys import OPERATOR, Tenant
+from .tenants import Tenants
 from .worker import DONE, Job, QueueFull, Worker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     model: str = "cacheclip"  # the name clients pass as `model`
-    api_keys: tuple[str, ...] = ()  # empty: no key needed
+    api_keys: tuple[str, ...] = ()  # empty: no key needed; these keys are one tenant, the operator
+    tenant_keys: dict[str, Tenant] = field(default_factory=dict)  # key -> tenant (`tenants.load_keys`)
     method: str = "cacheclip"
     ratio: float = 0.2
     requery: float | None = REQUERY_DEFAULT  # cacheclip's selection (None: the paper's aux selection)
     max_queue: int = 8
     max_batch: int = 8  # running requests whose decode steps run as one forward
-    max_body_bytes: int = 8 << 20
+    max_body_bytes: int = 8 << 20  # refused while reading (413)
+    max_prompt_chars: int | None = None  # refused before tokenizing (default: 16 characters a context token)
+    max_ingest_documents: int = 256
+    max_document_chars: int = 65536
+    max_system_chars: int = 16384
+    body_timeout_s: float = 30.0  # between two parts of a body (408)
+    header_timeout_s: float = 10.0  # to send a request's headers (`serve`: the connection is closed)
+    max_connections: int = 256  # open connections and running tasks (`serve`: beyond it, 503)
     timeout_s: float = 600.0
     default_max_tokens: int = 256
     index_refresh_s: float = 2.0  # how often new texts in the store are indexed for recognition
@@ -50,37 +63,96 @@ class ServerSettings:
         RequestOptions(method=self.method, ratio=self.ratio, requery=self.requery)  # a clear error for a bad default
         if self.max_queue < 1 or self.max_batch < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
             raise ValueError("max_queue >= 1, max_batch >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
+        if self.api_keys and self.tenant_keys:
+            raise ValueError("give API keys either as api_keys (one tenant) or as tenant_keys, not both")
+        limits = (self.max_ingest_documents, self.max_document_chars, self.max_system_chars, self.max_connections)
+        if min(limits) < 1 or not self.body_timeout_s > 0 or not self.header_timeout_s > 0:
+            raise ValueError("the ingest limits, max_connections and the timeouts must be positive")
+
+    @property
+    def keys(self) -> dict[str, Tenant]:
+        return dict(self.tenant_keys) or {key: OPERATOR for key in self.api_keys}
 
 
 class Server:
-    """The engine behind the HTTP routes: recognition index, worker, metrics."""
+    """The engine behind the HTTP routes: tenants and their recognition index, worker, metrics."""
 
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
-        self.index = engine.chunk_index  # the ingested texts, refreshed from the store as others add to it
-        self.index.refresh_s = settings.index_refresh_s
+        self.tenants = Tenants(engine, settings.keys, settings.index_refresh_s)
+        self.index = self.tenants.index
         self.worker = Worker(settings.max_queue, settings.max_batch)
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.max_prompt_chars = settings.max_prompt_chars or 16 * engine.primary.max_context
 
-    def authorise(self, request: Request) -> None:
-        if not self.settings.api_keys:
-            return
+    def authorise(self, request: Request) -> Tenant:
+        """The tenant of the request's key (every key compared, so the time says nothing of which matched)."""
+        keys = self.tenants.keys
+        if not keys:
+            return OPERATOR
         header = request.headers.get("authorization", "")
         given = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(given, key) for key in self.settings.api_keys):
+        found = None
+        for key, tenant in keys.items():
+            if hmac.compare_digest(given.encode("utf-8", "surrogatepass"), key.encode("utf-8")):
+                found = tenant
+        if found is None:
             raise APIError(401, "a valid API key is required (Authorization: Bearer ...)", code="invalid_api_key")
+        return found
 
     async def body(self, request: Request) -> dict:
+        """The JSON body, refused while reading past `max_body_bytes` (413) or when a part is slower than
+        `body_timeout_s` (408); parsed off the event loop."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
             raise APIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
-        raw = bytearray()
-        async for part in request.stream():
+        raw, parts = bytearray(), request.stream().__aiter__()
+        while True:
+            try:
+                part = await asyncio.wait_for(parts.__anext__(), self.settings.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body stalled for over {self.settings.body_timeout_s:g} s") from None
             raw += part
             if len(raw) > self.settings.max_body_bytes:
                 raise APIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
-        return parse_json(bytes(raw))
+        return await asyncio.to_thread(parse_json, bytes(raw))
+
+    def check_prompt_size(self, texts: list[str]) -> None:
+        """A prompt whose characters alone exceed what the context could hold is refused before it is
+        tokenized (tokenizing megabytes would cost seconds of CPU)."""
+        size = sum(len(t) for t in texts)
+        if size > self.max_prompt_chars:
+            raise APIError(400, f"the prompt's {size} characters are over this server's {self.max_prompt_chars} "
+                           f"(the model's context is {self.engine.primary.max_context} tokens)", "messages",
+                           "context_length_exceeded")
+
+    def check_ingest(self, body: dict) -> tuple[list[str], str | None]:
+        """`/v1/ingest`'s body within its limits, refused in milliseconds, before any compute."""
+        settings = self.settings
+        check_fields(body, {"documents", "system"})
+        documents = body.get("documents")
+        if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
+            raise APIError(400, "'documents' must be a non-empty list of strings", "documents")
+        if len(documents) > settings.max_ingest_documents:
+            raise APIError(413, f"'documents' holds {len(documents)} texts, over the limit of "
+                           f"{settings.max_ingest_documents} a request", "documents")
+        for i, text in enumerate(documents):
+            if len(text) > settings.max_document_chars:
+                raise APIError(413, f"documents[{i}] has {len(text)} characters, over the limit of "
+                               f"{settings.max_document_chars}", f"documents[{i}]")
+            if "\x00" in text:
+                raise APIError(400, f"documents[{i}] holds a NUL character", f"documents[{i}]")
+        system = body.get("system")
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise APIError(400, "'system' must be the non-empty text your system message has before the chunks",
+                           "system")
+        if system is not None and len(system) > settings.max_system_chars:
+            raise APIError(413, f"'system' has {len(system)} characters, over the limit of {settings.max_system_chars}",
+                           "system")
+        return documents, system
 
     def limit_tokens(self, planned: Planned) -> Planned:
         """max_tokens within the context: a request that asks for more than fits is refused, named."""
@@ -95,15 +167,14 @@ class Server:
                            f"the model's context of {lm.max_context}", "max_tokens", "context_length_exceeded")
         return planned
 
-    def start(self, planned: Planned):
+    def start(self, engine: Engine, planned: Planned):
         """The callable the worker runs: the prefill, returning the stream of pieces."""
-        engine = self.engine
         if planned.plan is None:
             return lambda: engine.complete(planned.prompt, planned.options)
         return lambda: engine.stream_plan(planned.plan, planned.options)
 
-    async def run(self, planned: Planned, disconnected) -> tuple[Job, AsyncIterator[str]]:
-        job = Job(self.start(planned), asyncio.get_running_loop(), self.settings.timeout_s)
+    async def run(self, engine: Engine, planned: Planned, disconnected) -> tuple[Job, AsyncIterator[str]]:
+        job = Job(self.start(engine, planned), asyncio.get_running_loop(), self.settings.timeout_s)
         try:
             self.worker.submit(job)
         except QueueFull as err:
@@ -182,17 +253,19 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return _error_response(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}"))
 
     @app.exception_handler(Exception)
-    async def unexpected(request: Request, err: Exception) -> JSONResponse:  # never a traceback to the client
+    async def unexpected(request: Request, err: Exception) -> JSONResponse:  # nothing internal reaches the client
         server.metrics.requests.labels(request.url.path, "500").inc()
-        return _error_response(APIError(500, f"internal error ({type(err).__name__}): {err}", kind="server_error"))
+        log.exception("internal error on %s", request.url.path, exc_info=err)
+        return _error_response(APIError(500, "internal error (logged by the server)", kind="server_error"))
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": settings.model, "chunks_indexed": len(server.index),
-                "queue_depth": server.worker.depth}
+        return {"status": "ok"}  # liveness only: nothing of the store or the traffic
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if server.tenants.keys and not server.authorise(request).admin:
+            raise APIError(403, "/metrics needs an admin key", code="forbidden")
         server.metrics.batched_steps.set(server.worker.batched_steps)
         server.metrics.batched_rows.set(server.worker.batched_requests)
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -207,30 +280,27 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/ingest")
     async def ingest(request: Request) -> dict:
-        """{"documents": [...]}: each text's caches computed and stored, and indexed for recognition."""
-        server.authorise(request)
-        body = await server.body(request)
-        documents = body.get("documents")
-        if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
-            raise APIError(400, "'documents' must be a non-empty list of strings", "documents")
-        system = body.get("system")
-        if system is not None and (not isinstance(system, str) or not system.strip()):
-            raise APIError(400, "'system' must be the non-empty text your system message has before the chunks",
-                           "system")
+        """{"documents": [...]}: each text's caches computed and stored in the key's namespace (an admin
+        key's: the shared corpus), and indexed for recognition."""
+        tenant = server.authorise(request)
+        if not tenant.ingest:
+            raise APIError(403, "this API key may not ingest (it needs the ingest role)", code="forbidden")
+        documents, system = server.check_ingest(await server.body(request))
+        scope = server.tenants.scope(tenant)
         # with `system`: computed behind the exact start of the prompts that will paste them, each also as
         # the last chunk of the message (no separator after it), so the first such request reuses them
-        head = FormattedPrefix(system_head(engine, system)) if system is not None else None
         try:
-            keys = await asyncio.to_thread(engine.ingest, documents, False, False, head, head is not None)
+            head = FormattedPrefix(system_head(engine, system)) if system is not None else None
+            keys = await asyncio.to_thread(scope.engine.ingest, documents, progress=False, system_prompt=head,
+                                           bare=head is not None)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-        added = server.index.add(documents)
+        added = server.index.add(tenant.name, documents)
         server.metrics.requests.labels("/v1/ingest", "200").inc()
         return {"object": "ingest", "documents": len(documents), "indexed": added, "keys": [k.hex() for k in keys]}
 
-    async def respond(request: Request, planned: Planned, kind: str):
-        planned = server.limit_tokens(planned)
-        job, pieces = await server.run(planned, request.is_disconnected)
+    async def respond(request: Request, engine: Engine, planned: Planned, kind: str):
+        job, pieces = await server.run(engine, planned, request.is_disconnected)
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
 
@@ -279,21 +349,25 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        server.authorise(request)
+        tenant = server.authorise(request)
         parsed = chat_request(await server.body(request), (settings.model,), METHODS)
+        server.check_prompt_size([m["content"] for m in parsed.messages] + list(parsed.generation.documents or ()))
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
-        planned = await asyncio.to_thread(plan_chat, engine, server.index, with_default_tokens(parsed), settings.method,
-                                          settings.ratio, settings.requery)
-        return await respond(request, planned, "chat")
+        scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
+        planned = await asyncio.to_thread(lambda: server.limit_tokens(plan_chat(  # tokenizing: off the event loop
+            scope.engine, scope, with_default_tokens(parsed), settings.method, settings.ratio, settings.requery)))
+        return await respond(request, scope.engine, planned, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        server.authorise(request)
+        tenant = server.authorise(request)
         parsed = completion_request(await server.body(request), (settings.model,), METHODS)
+        server.check_prompt_size([parsed.prompt, *(parsed.generation.documents or ())])
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
-        planned = await asyncio.to_thread(plan_completion, engine, server.index, with_default_tokens(parsed),
-                                          settings.method, settings.ratio, settings.requery)
-        return await respond(request, planned, "completion")
+        scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
+        planned = await asyncio.to_thread(lambda: server.limit_tokens(plan_completion(
+            scope.engine, scope, with_default_tokens(parsed), settings.method, settings.ratio, settings.requery)))
+        return await respond(request, scope.engine, planned, "completion")
 
     def with_default_tokens(parsed):
         if parsed.generation.max_tokens is not None:
@@ -303,11 +377,24 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     return app
 
 
+def uvicorn_config(app: FastAPI, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+                   log_level: str = "info"):
+    """uvicorn's settings for the app: the header timeout (`protocol.TimedH11Protocol`), idle keep-alive
+    connections closed after 5 s, at most `max_connections` connections and tasks (then 503)."""
+    import uvicorn
+
+    from .protocol import timed_protocol
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                          http=timed_protocol(settings.header_timeout_s), timeout_keep_alive=5,
+                          limit_concurrency=settings.max_connections)
+
+
 def serve(engine: Engine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Run the server (uvicorn) until interrupted; binds loopback unless told otherwise."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="info")
+    uvicorn.Server(uvicorn_config(create_app(engine, settings), settings, host, port)).run()
 
 
-__all__ = ["ServerSettings", "create_app", "serve"]
+__all__ = ["ServerSettings", "create_app", "serve", "uvicorn_config"]

@@ -38,6 +38,7 @@ class Generation:
     stream: bool
     include_usage: bool
     documents: tuple[str, ...] | None  # explicit chunks (extra_body={"documents": [...]})
+    cache_salt: str | None  # reuse only between requests of the same tenant with the same salt (as vLLM)
     method: str | None  # extra_body={"cacheclip": {"method", "ratio", "requery"}}
     ratio: float | None
     requery: tuple[float | None] | None = None  # (value,) when the request names one (null: the paper's selection)
@@ -57,13 +58,62 @@ class CompletionRequest:
 
 
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; every string in it valid Unicode (a lone surrogate such as "\\ud800"
+    is refused here, named, not deep inside a tokenizer), nesting within Python's own limit."""
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not JSON ({type(err).__name__}: {err})") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_strings(body)
     return body
+
+
+def _check_strings(body: dict) -> None:
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise APIError(400, f"'{path}' is not valid Unicode text ({err.reason} at index {err.start})",
+                               path or None) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                todo.append((f"{path}.{key}" if path else str(key), key))
+                todo.append((f"{path}.{key}" if path else str(key), item))
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+
+
+# OpenAI fields: honoured; accepted and without effect on the answer; and supported only at their
+# default (anything else is a 400 naming the field, as vLLM answers, never silently ignored)
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+           "documents", "cacheclip", "cache_salt"}
+_WITHOUT_EFFECT = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                   "parallel_tool_calls"}
+_DEFAULT_ONLY = {"tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+                 "function_call": (None, "none"), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+                 "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "audio": (None,),
+                 "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+                 "reasoning_effort": (None,), "verbosity": (None,), "presence_penalty": (None, 0, 0.0),
+                 "frequency_penalty": (None, 0, 0.0), "best_of": (None, 1), "suffix": (None, ""), "echo": (None, False)}
+_CHAT_FIELDS = _COMMON | _WITHOUT_EFFECT | {"messages", "max_completion_tokens"} | (set(_DEFAULT_ONLY) - {"best_of", "suffix", "echo"})
+_COMPLETION_FIELDS = _COMMON | _WITHOUT_EFFECT | {"prompt", "logprobs", "logit_bias", "presence_penalty",
+                                                  "frequency_penalty", "best_of", "suffix", "echo"}
+
+
+def check_fields(body: dict, known: set[str]) -> None:
+    for name, value in body.items():
+        if name not in known:
+            raise APIError(400, f"unknown field '{name}'", name, "unknown_field")
+        if name in _DEFAULT_ONLY and value not in _DEFAULT_ONLY[name]:
+            raise APIError(400, f"'{name}' is not supported by this server (only its default: "
+                           f"{_DEFAULT_ONLY[name][-1]!r})", name, "unsupported_parameter")
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -124,6 +174,9 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
         documents = _strings(documents, "documents", 256)
         if not documents:
             raise APIError(400, "'documents' must hold at least one document", "documents")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 256):
+        raise APIError(400, "'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
     ours = body.get("cacheclip") or {}
     if not isinstance(ours, dict):
         raise APIError(400, "'cacheclip' must be an object: {\"method\": ..., \"ratio\": ..., \"requery\": ...}", "cacheclip")
@@ -137,7 +190,7 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
     return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
                       top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), stop=_strings(body.get("stop"), "stop", 4),
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
-                      documents=documents, method=method, ratio=ratio, requery=requery)
+                      documents=documents, cache_salt=salt, method=method, ratio=ratio, requery=requery)
 
 
 def _content(message: dict, i: int) -> str:
@@ -157,6 +210,7 @@ def _content(message: dict, i: int) -> str:
 
 
 def chat_request(body: dict, known_models: tuple[str, ...], methods: tuple[str, ...]) -> ChatRequest:
+    check_fields(body, _CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", "messages")
@@ -174,11 +228,10 @@ def chat_request(body: dict, known_models: tuple[str, ...], methods: tuple[str, 
 
 
 def completion_request(body: dict, known_models: tuple[str, ...], methods: tuple[str, ...]) -> CompletionRequest:
+    check_fields(body, _COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt.strip():
         raise APIError(400, "'prompt' must be a non-empty string (one prompt per request)", "prompt")
-    if body.get("echo"):
-        raise APIError(400, "'echo' is not supported", "echo")
     return CompletionRequest(prompt, generation(body, known_models, methods))

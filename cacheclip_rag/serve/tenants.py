@@ -1,0 +1,128 @@
+"""Who is asking, and what their request may reuse: API keys belong to tenants, each tenant's chunks live
+in its own namespace of the store, and a request is only matched against, and only reads the caches
+of, its own tenant's chunks and the operator's shared corpus.
+
+Threat model (also in the README): tenants share the model, the worker and the store's file, never an
+entry. A tenant's request cannot find, read or time another tenant's chunks: a chunk the asker has not
+ingested (and the operator has not shared) is computed for the asker, exactly as an unseen text is, so
+`cached_tokens`, the recognised-chunk count and the time to first token are those of unseen text. What
+is shared, and so observable by every tenant, is the operator's corpus (ingested with an admin key or
+`cacheclip ingest`) and the load on the server (queue depth and latency under others' traffic).
+`cache_salt` (the request field vLLM and TensorRT-LLM use) narrows reuse further: a salted request reads
+and writes only the caches of requests with the same tenant and salt.
+
+Keys file (JSON): {"<key>": {"tenant": "<name>", "roles": ["ingest"] | ["admin"] | []}, ...}. `ingest`
+ingests into the tenant's namespace; `admin` ingests into the shared corpus and reads `/metrics`. Keys
+given with `--api-key` (or none at all) are one tenant, the shared one, with both roles: a server with
+one key behaves as it did before tenants existed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..engine import Engine
+from ..recognize import ChunkIndex, Match, select_matches
+from ..store.namespaced import NamespacedStore, split_marked
+from .keys import SHARED, Tenant
+
+MAX_VIEWS = 256  # (tenant, salt) engine views kept; a view is a few small objects over the shared models
+
+
+def salted(tenant: Tenant, salt: str | None) -> str:
+    """The namespace a request's caches live in: the tenant's, or with a salt, the tenant's and salt's."""
+    if salt is None:
+        return tenant.name
+    return f"{tenant.name}\x01salt:{hashlib.sha256(salt.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
+
+
+class TenantIndex:
+    """The store's remembered texts, one `ChunkIndex` per namespace, refreshed from the store (texts that
+    `cacheclip ingest`, a replica or another process added) at most every `refresh_s`."""
+
+    def __init__(self, store, refresh_s: float = 2.0):
+        self._store, self.refresh_s = store, refresh_s
+        self._indexes: dict[str, ChunkIndex] = {}
+        self._cursor, self._checked = 0, 0.0
+        self._lock = threading.Lock()
+        self.refresh(force=True)
+
+    def __len__(self) -> int:
+        return sum(len(i) for i in list(self._indexes.values()))
+
+    def of(self, namespace: str) -> ChunkIndex:
+        with self._lock:
+            if namespace not in self._indexes:
+                self._indexes[namespace] = ChunkIndex()
+            return self._indexes[namespace]
+
+    def add(self, namespace: str, texts: list[str]) -> int:
+        return self.of(namespace).add(texts)
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._checked < self.refresh_s:
+            return
+        texts, self._cursor = self._store.texts_since(self._cursor)
+        grouped: dict[str, list[str]] = {}
+        for namespace, text in map(split_marked, texts):
+            grouped.setdefault(namespace, []).append(text)
+        for namespace, group in grouped.items():
+            self.add(namespace, group)
+        self._checked = time.monotonic()
+
+    def find(self, prompt: str, namespaces: tuple[str, ...]) -> list[Match]:
+        """The chunks of `namespaces` found in `prompt` (leftmost first, the longest at a position)."""
+        self.refresh()
+        candidates = []
+        for namespace in dict.fromkeys(namespaces):
+            index = self._indexes.get(namespace)
+            if index is not None and len(index):
+                candidates += index.candidates(prompt)
+        return select_matches(prompt, candidates)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What one request may see: the engine over its namespace and the recogniser over its chunks."""
+
+    engine: Engine
+    index: TenantIndex
+    namespaces: tuple[str, ...]
+
+    def find(self, prompt: str) -> list[Match]:
+        return self.index.find(prompt, self.namespaces)
+
+
+class Tenants:
+    """The server's keys and, per (tenant, salt), an engine whose store is that namespace."""
+
+    def __init__(self, engine: Engine, keys: dict[str, Tenant], refresh_s: float = 2.0):
+        self.engine, self.keys = engine, keys
+        self.index = TenantIndex(engine.store, refresh_s)
+        self._views: OrderedDict[str, Engine] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def scope(self, tenant: Tenant, salt: str | None = None) -> Scope:
+        namespace = salted(tenant, salt)
+        readable = () if salt is not None else (SHARED,)  # a salt reuses only what the same salt stored
+        return Scope(self.view(namespace, readable), self.index, (tenant.name, SHARED))
+
+    def view(self, namespace: str, readable: tuple[str, ...] = ()) -> Engine:
+        if namespace == SHARED:
+            return self.engine
+        with self._lock:
+            if namespace in self._views:
+                self._views.move_to_end(namespace)
+                return self._views[namespace]
+            view = copy.copy(self.engine)  # the same models and settings; its own store view
+            view.store = NamespacedStore(self.engine.store, namespace, readable)
+            view._chunk_index = None
+            self._views[namespace] = view
+            while len(self._views) > MAX_VIEWS:
+                self._views.popitem(last=False)
+            return view
