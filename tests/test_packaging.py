@@ -49,7 +49,8 @@ def test_no_top_level_import_name_of_the_checkout_shadows_a_package():
 def test_hugging_face_kernels_is_not_shadowed_from_the_repo_root():
     """The failure a newcomer met: from the root, transformers (which imports `kernels`) and the engine
     import, and `kernels` is the installed package, not the checkout's folder."""
-    if importlib.util.find_spec("kernels") is None:
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().is_relative_to(ROOT):
         pytest.skip("Hugging Face's kernels package is not installed (transformers < 5.25 does not need it)")
     code = ("import kernels, transformers; from cacheclip_rag.engine import Engine; "
             "import cacheclip_rag.kernels.selected_attention as k; print(kernels.__file__); print(k.__file__)")
