@@ -141,12 +141,13 @@ def test_selection_picks_cacheclips_rows_and_defaults_to_the_librarys_choice():
 
 
 def test_the_demo_summary_counts_right_answers_and_compares_medians_with_full():
-    from cacheclip_rag.cli.demo import summary
+    from cacheclip_rag.cli.demo import Tally, summary
 
-    table = summary({"full": 3, "cacheclip": 2}, {"full": [4.0, 6.0, 5.0], "cacheclip": [1.0, 3.0, 2.0]})
+    table = summary({"full": Tally(3, [4.0, 6.0, 5.0], [1.0, 1.0, 1.0]),
+                     "cacheclip": Tally(2, [1.0, 3.0, 2.0], [1.0, 0.5, 0.75])}, 0.2)
     rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[3:]}
-    assert "over 3 questions" in table
-    assert rows["full"] == ["3/3", "5.000", "1.00x"] and rows["cacheclip"] == ["2/3", "2.000", "2.50x"]
+    assert "over 3 questions at ratio 0.2" in table
+    assert rows["full"] == ["3/3", "5.000", "1.00x", "100%"] and rows["cacheclip"] == ["2/3", "2.000", "2.50x", "75%"]
 
 
 def _model_folder(path: Path, config: dict, weights: bool = True) -> str:
@@ -196,3 +197,24 @@ def test_query_names_a_missing_model_before_a_missing_index(tmp_path):
     bad.write_bytes(b"\xff\xfe")
     result = probe("query", "q", "--chunk-files", str(bad))
     assert result["heavy"] == [] and "bad.md: not UTF-8" in result["message"], result
+
+
+def test_the_demo_prints_right_answers_ttft_and_agreement_with_full(tmp_path, capsys):
+    """On a tiny model: every method's row and the summary, with `full` agreeing with itself on every
+    token and cacheclip at ratio 1 (which reproduces full) too."""
+    from cacheclip_rag.cli import main
+    from cacheclip_rag.cli.args import DEMO_QUESTION_COUNT
+    from cacheclip_rag.cli.demo import DEMO_SET
+    from cacheclip_rag.testing import save_tiny_chat_model
+
+    assert DEMO_QUESTION_COUNT == len(DEMO_SET)
+    folder = save_tiny_chat_model(tmp_path / "model", "llama", "qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))  # the handbook
+    assert main(["demo", "--primary", str(folder), "--aux", "none", "--store", str(tmp_path / "kv"), "--questions", "2",
+                 "--max-new-tokens", "3", "--ratio", "1.0", "--methods", "cacheclip,full,shared_prefix"]) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("Summary over 2 questions"):].splitlines()
+    rows = {line.split()[0]: line.split() for line in summary[2:]}
+    assert list(rows) == ["full", "cacheclip", "shared_prefix"]
+    assert rows["full"][-1] == "100%" and rows["cacheclip"][-1] == "100%"
