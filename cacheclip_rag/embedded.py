@@ -63,10 +63,6 @@ def cache_dir() -> Path:
     return path
 
 
-def is_embedded(name: str) -> bool:
-    return name in EMBEDDED
-
-
 def part_paths(spec: SplitGGUF) -> list[Path]:
     """Each part's file, in order; a missing package is named with the line that installs them all."""
     paths = []

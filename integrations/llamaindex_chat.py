@@ -10,7 +10,7 @@ postprocessors, condensing and streaming stay LlamaIndex's. Build them with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 try:
     from llama_index.core.chat_engine import CondensePlusContextChatEngine, ContextChatEngine
@@ -19,14 +19,21 @@ try:
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
-if TYPE_CHECKING:
-    from .llamaindex_synth import CacheClipSynthesizer
+class Synthesis(Protocol):
+    """What the chat engines need of a `CacheClipSynthesizer` (which builds them: `as_chat_engine`; so this
+    module does not import it)."""
+
+    llm: Any
+
+    def qa_template_parts(self) -> tuple[str, str]: ...
+
+    def with_template(self, template: PromptTemplate, streaming: bool | None = None) -> Any: ...
 
 
 class _ReuseSynthesis:
     """Replaces the engines' response synthesizer (CompactAndRefine over a plain LLM) with CacheClip's."""
 
-    _cacheclip: CacheClipSynthesizer
+    _cacheclip: Synthesis
 
     def _system_text(self) -> str | None:
         prefix = getattr(self, "_prefix_messages", None) or []
@@ -53,7 +60,7 @@ class CacheClipCondensePlusContextChatEngine(_ReuseSynthesis, CondensePlusContex
     short plain completion)."""
 
 
-def chat_engine(index: Any, synthesizer: CacheClipSynthesizer, condense: bool = False, **kwargs: Any) -> Any:
+def chat_engine(index: Any, synthesizer: Synthesis, condense: bool = False, **kwargs: Any) -> Any:
     """A context chat engine over `index`'s retriever (`similarity_top_k` and other retriever arguments
     go to it; the rest to the engine's `from_defaults`)."""
     retriever_args = {k: kwargs.pop(k) for k in ("similarity_top_k", "filters", "vector_store_query_mode")

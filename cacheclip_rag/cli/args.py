@@ -12,6 +12,8 @@ from pathlib import Path
 from ..config import DTYPE_NAMES, METHODS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
 from ..sources import ModelSourceError, check_model_source
 
+DESCRIPTION = ("cacheclip-rag: fast RAG answers from precomputed chunk caches. Arguments are checked before anything "
+               "heavy loads; torch, transformers and LlamaIndex load only when a command's work starts.")
 DEMO_QUESTION_COUNT = 5  # demo.DEMO_SET (a test pins it)
 EVAL_PROFILES = ("quick", "power", "sweep", "tail", "ablations", "gap", "full")  # evaluation.profiles.PROFILES (a test pins it)
 
@@ -233,9 +235,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import __doc__ as description
-
-    p = argparse.ArgumentParser(prog="cacheclip", description=description)
+    p = argparse.ArgumentParser(prog="cacheclip", description=DESCRIPTION)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
     defaults = EngineConfig.__dataclass_fields__

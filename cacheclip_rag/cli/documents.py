@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig, RequestOptions
 from .args import engine_config, index_dir, requery_of

@@ -17,13 +17,12 @@ A run is resumable: each finished sample's records are appended as one JSON line
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -33,37 +32,7 @@ from ..engine import Engine
 from ..models import PromptFormat, layer_types
 from . import ruler
 from .fidelity import first_token_kl, sequence_log_likelihood, teacher_forced_fidelity
-
-
-@dataclass(frozen=True)
-class Record:
-    """One answer: which sample and variant, its score, fidelity to `full`, and its timings."""
-
-    task: str
-    length: int
-    seed: int
-    variant: str
-    ratio: float | None
-    prompt_tokens: int
-    chunk_tokens: int
-    chunks: int
-    score: float
-    kl: float  # first answer token, KL(full || method)
-    tf_kl: float  # mean over full's answer, teacher-forced
-    tf_top1: float  # share of full's answer tokens that are the method's top-1 under teacher forcing
-    gold_ll: float  # log p(gold answer), nats
-    gold_ll_delta: float  # gold_ll - full's gold_ll
-    recomputed_share: float  # recomputed chunk tokens / chunk tokens (the budget actually spent)
-    load_s: float
-    select_s: float
-    recompute_s: float
-    ttft_s: float
-    output: str
-    references: tuple[str, ...]
-
-
-def token_counter(engine: Engine) -> Callable[[str], int]:
-    return functools.lru_cache(maxsize=None)(lambda text: len(engine.primary.encode(text)))
+from .records import Record, token_counter
 
 
 def decode_budget(engine: Engine, sample: ruler.Sample, margin: int = 8) -> int:

@@ -48,7 +48,7 @@ def alignment_study(engine: Engine, lengths: Sequence[int], seed: int = 0, sampl
         raise ValueError("the alignment study needs an aux model")
     if "aux" in (other_auxes or {}):
         raise ValueError("other_auxes: 'aux' names the engine's own aux; give the others other names")
-    from .runner import token_counter  # the runner re-exports this study: imported here, not at the top
+    from .records import token_counter
 
     count = token_counter(engine)
     rows, maps = [], {}

@@ -12,7 +12,7 @@ from .profiles import VARIANTS
 from .stats import bootstrap_ci, paired_bootstrap_ci, sign_test, wilson_interval
 
 if TYPE_CHECKING:
-    from .runner import Record
+    from .records import Record
 
 
 def _estimate(values: Sequence[float]) -> dict:

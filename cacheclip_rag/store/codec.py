@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import torch
 
+from .errors import CorruptEntryError
 from .staging import PinnedStaging
 
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -147,8 +148,6 @@ def check_values(keys: memoryview, values: memoryview, dtype: torch.dtype,
                  scales: tuple[memoryview, memoryview] | None = None) -> None:
     """Finite, of plausible magnitude (|x| <= 1e5), keys and values not all zero; float8 scales positive and
     bounded so that no decoded value passes 1e5. One scan of the stored bytes, single-threaded numpy."""
-    from .entry import CorruptEntryError  # the error type lives with the format
-
     mask, limit = _MAGNITUDE[dtype]
     size = torch.tensor([], dtype=dtype).element_size()
     for name, raw in (("keys", keys), ("values", values)):

@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 from .codec import check_values, copy_into, raw_bytes, tensor_from_payload
+from .errors import CorruptEntryError, StoreError, StoreFullError, StoreUnavailableError
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -41,22 +42,6 @@ FP8 = torch.float8_e4m3fn  # stored with a float32 scale per channel (layer, hea
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 _FP16_MAX = 65504.0
 _MAX_HEADER = 64 << 20  # a header is token ids and offsets: far below this for any real chunk
-
-
-class StoreError(RuntimeError):
-    """A stored entry cannot be used: wrong model, wrong format version, or corrupted."""
-
-
-class CorruptEntryError(StoreError):
-    """An entry's bytes are damaged (header unreadable, checksum mismatch, impossible content)."""
-
-
-class StoreUnavailableError(StoreError):
-    """A shared store cannot be reached (server down, network, timeout)."""
-
-
-class StoreFullError(StoreError):
-    """The store reached its size cap or the disk is full; the failed write left everything as it was."""
 
 
 @dataclass(frozen=True)

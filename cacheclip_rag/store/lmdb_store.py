@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .entry import (ChunkEntry, CorruptEntryError, EntryView, StoreError, StoreFullError, check_identity, encode_entry,
-                    header_bytes, parse_entry)
+from .entry import ChunkEntry, EntryView, check_identity, encode_entry, header_bytes, parse_entry
+from .errors import CorruptEntryError, StoreError, StoreFullError
 from .maintenance import Maintenance
 from .opening import DISK_FULL, Opening, lmdb_module
 from .owners import Owners

@@ -7,7 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from .entry import StoreError, split_entry, verify_entry
+from .entry import split_entry, verify_entry
+from .errors import StoreError
 from .tables import ACCESS, ENTRIES, QUARANTINE, STAMP
 
 

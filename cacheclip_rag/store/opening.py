@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .entry import EntryView, StoreError, StoreFullError
+from .entry import EntryView
+from .errors import StoreError, StoreFullError
 from .tables import ENTRIES, LOCK_FILE, META, TABLES
 
 # How LMDB reports a write the filesystem refused (ENOSPC, EFBIG past a size limit, EDQUOT; a short

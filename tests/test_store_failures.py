@@ -1,4 +1,4 @@
-"""The store tried again as an attacker and an unlucky operator would (third round): the Redis tier
+"""Store failures, as an attacker and an unlucky operator meet them: the Redis tier
 under real LRU eviction, hostile manifests and a full server, entries under another chunk's key, new
 stores on full filesystems, a store at its cap under requests, deletes on a full disk, one set of checks
 for `get` and `verify`, dead readers in a long-lived process, and small bad arguments. Each test failed
