@@ -7,7 +7,6 @@ the models and the store and the building blocks the methods share.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -16,23 +15,20 @@ from pathlib import Path
 
 import torch
 
-from .align import map_selection
+from . import blend
+from .blend import Parts
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions, is_redis_url
 from .decode import TokenDecoder, text_deltas
-from .group import grouped_to_budget
-from .ingest import (DIRECT, SHARED, FormattedPrefix, PrefixCache, chunk_key, chunk_unit, fetch_or_compute, load_into,
-                     new_cache, precompute, storage_dtype)
-from .layerwise import LayerStream, cuda_layer_stream, load_layerwise
-from .models import LoadedModel, int8_scorer, layer_types, load_model
-from .recompute import forward_at, recompute
-from .rope import rotate_keys_
-from .methods import PREFILLS, side_stream
+from .ingest import (DIRECT, SHARED, FormattedPrefix, PrefixCache, chunk_key, new_cache, precompute)
+from .layerwise import LayerStream, cuda_layer_stream
+from .models import LoadedModel, int8_scorer, load_model
+from .recompute import forward_at
+from .methods import PREFILLS
 from .planning import plan_chunks, plan_layout
 from .recognize import Layout, StoreIndex, layout
 from .request import Answer, Plan, Prefill, Stream, Timings
-from .select import aux_scores, boundary_selection, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
 from .tier import DeviceTier, HostTier
 
@@ -130,14 +126,13 @@ class Engine:
 
     def store_dtype(self, lm: LoadedModel) -> torch.dtype:
         """The dtype `lm`'s chunk caches are stored in (see `EngineConfig.store_dtype`)."""
-        return storage_dtype(self.config.store_dtype, lm)
+        return blend.store_dtype(self.parts, lm)
 
     def entries(self, lm: LoadedModel, texts: Sequence[str], variant: str, system_prompt: object = None,
                 bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
         """Stored entries for `texts` behind `system_prompt` (default the engine's; or a FormattedPrefix);
         a miss is computed, stored and used."""
-        return fetch_or_compute(lm, self.store, texts, variant, system_prompt or self.config.system_prompt,
-                                self.config.ingest_batch_size, self.store_dtype(lm), bare)
+        return blend.chunk_entries(self.parts, lm, texts, variant, system_prompt, bare)
 
     # ---- request path ------------------------------------------------------------------------
 
@@ -164,7 +159,7 @@ class Engine:
     def run_prefill(self, plan: Plan, options: RequestOptions) -> Prefill:
         """The method's prefill of a planned request, its store reads tallied."""
         with tally_reads() as tally:
-            prefill = PREFILLS[options.method](self, plan, options)
+            prefill = PREFILLS[options.method](self.parts, plan, options)
         prefill.timings.store = tally.as_dict()
         stored = getattr(prefill.cache, "from_store", None)
         if stored is not None:  # rows read from the store and not recomputed: the tokens this request reused
@@ -277,100 +272,25 @@ class Engine:
             first_logits=prefill.logits, timings=timings, reused_tokens=prefill.reused_tokens,
         )
 
-    # ---- building blocks ---------------------------------------------------------------------
+    # ---- the parts and building blocks the methods run on (`blend`) ------------------------------
+
+    @property
+    def parts(self) -> Parts:
+        """The models, store, settings and kernel a request runs on (the methods take these, not the engine)."""
+        return Parts(primary=self.primary, store=self.store, config=self.config, aux=self.aux,
+                     aux_scorer=self.aux_scorer, kernel=self.kernel, layer_stream=self.layer_stream)
 
     def blended_cache(self, plan: Plan, options: RequestOptions, shared: bool, reposition: bool = True) -> BlendedCache:
-        """One prefix, then every chunk's cached rows at its offset in the prompt: decoded from the store
-        straight into its place, its keys then re-rotated there to the contiguous positions (or, with
-        `reposition=False`, APE, left at the positions they were computed at, right behind the prefix, so
-        the chunks' positions overlap). On CUDA behind a host tier the load runs layer by layer beside
-        the recompute (`layerwise`)."""
-        lm = self.primary
-        cache = new_cache(lm, plan.length + options.max_new_tokens)
-        computed_at = plan.prefix_len if shared else 0
-        slots = [cache.slot(offset, len(ids)) for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids)]
-        deltas = [offset - computed_at if reposition else 0 for offset in plan.chunk_offsets]
-        variant = SHARED if shared else DIRECT
-        batch, dtype = self.config.ingest_batch_size, self.store_dtype(lm)
-        stream = self.layer_stream(lm) if isinstance(self.store, HostTier) else None
-        if stream is not None:
-            loaded = load_layerwise(lm, self.store, plan.texts, plan.chunk_ids, slots, deltas, variant,
-                                    plan.system_prompt, stream, batch, dtype, plan.bare or None)
-            cache.wait_for_layer = stream.wait
-        else:
-            loaded = load_into(lm, self.store, plan.texts, plan.chunk_ids, slots, variant, plan.system_prompt,
-                               batch, dtype, plan.bare or None)
-            rotations: dict = {}
-            for (keys, _), delta in zip(slots, deltas):
-                rotate_keys_(lm.model, keys, delta, rotations=rotations)  # in the compute dtype, in place
-        cache.place(0, loaded.prefix.keys, loaded.prefix.values)
-        # which rows came from the store, for the answer's count of reused tokens
-        cache.from_store = torch.zeros(cache.capacity, dtype=torch.bool)
-        cache.from_store[: plan.prefix_len] = loaded.prefix.read
-        for offset, ids, read in zip(plan.chunk_offsets, plan.chunk_ids, loaded.read):
-            cache.from_store[offset : offset + len(ids)] = read
-        return cache
-
-    def recompute_and_answer(self, cache: BlendedCache, plan: Plan, positions: torch.Tensor,
-                             options: RequestOptions | None = None) -> torch.Tensor:
-        """Recompute the chunk rows at `positions` together with the text between chunks (a client's own
-        layout) and the question; next-token logits. `options.recompute_layers` (a diagnostic) writes the
-        recomputed chunk rows back only in that kind of layer."""
-        positions = torch.cat([positions, plan.gap_positions()]).sort().values if plan.has_gaps else positions.sort().values
-        positions = torch.cat([positions, plan.question_positions()])
-        ids = torch.tensor(plan.all_ids())[positions]
-        which = options.recompute_layers if options is not None else "all"
-        if which != "all":
-            kinds = layer_types(self.primary.model)
-            if "sliding_attention" not in kinds or plan.has_gaps:
-                raise ValueError(f"recompute_layers={which!r} needs a primary with sliding-window layers and the "
-                                 f"engine's own layout ({self.primary.name} has {sorted(set(kinds))})")
-            keep = "full_attention" if which == "sliding" else "sliding_attention"
-            cache.stale_layers = frozenset(i for i, kind in enumerate(kinds) if kind == keep)
-            cache.stale_before = plan.question_start
-        try:
-            return recompute(self.primary.model, cache, ids, positions, kernel=self.kernel)
-        finally:
-            cache.stale_layers = frozenset()
+        """`blend.blended_cache` over this engine's parts."""
+        return blend.blended_cache(self.parts, plan, options, shared, reposition)
 
     def aux_selection(self, plan: Plan, options: RequestOptions) -> list[torch.Tensor]:
-        """Per chunk, the primary tokens CacheClip recomputes: aux scores -> grouped to the budget ->
-        mapped to the primary's tokens. Chunk 0 behind the shared prefix is exact already: it is not
-        scored (no aux pass) and never recomputed. Separator tokens are not chunk text: they rank last."""
-        aux = self.aux
-        if aux is None:
-            raise ValueError("cacheclip's aux selection (requery=None or > 0) needs an aux model; set EngineConfig.aux, "
-                             "or use the default selection (requery=0), which needs none")
-        prefix, entries = self.entries(aux, plan.texts, SHARED, plan.system_prompt, plan.bare or None)
-        question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
-        skip = 1 if options.shared_prefix else 0
-        forced, ratio = None, options.ratio
-        if options.boundary_tokens is not None and 0.0 < options.ratio < 1.0:
-            forced = boundary_selection(plan, options.boundary_tokens, skip, options.ratio)
-            total = sum(len(ids) for ids in plan.chunk_ids)
-            ratio = max(0.0, (math.ceil(options.ratio * total - 1e-9) - sum(int(f.sum()) for f in forced)) / total)
-        with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
-            scored = (aux_scores(aux, prefix, entries[skip:], question_ids, question_rows, model=self.aux_scorer)
-                      if len(entries) > skip else [])
-        scores = [torch.full((entries[0].num_tokens,), float("-inf"))] * skip + scored
-        outside = [torch.tensor([start >= len(text) for start, _ in entry.offsets], dtype=torch.bool)
-                   for entry, text in zip(entries, plan.texts)]
-        for score, out in zip(scores, outside):
-            # separators rank below every chunk token: chosen only once the budget has room for all text
-            # (their cached K/V lack cross-chunk attention too, so ratio 1 still recomputes them)
-            score[out & torch.isfinite(score)] = -1e30
-        if options.grouping:
-            chosen = grouped_to_budget(scores, ratio, self.config.window, self.config.threshold, options.exact_budget)
-        else:
-            chosen = top_k_candidates(scores, ratio)
-        bare = plan.bare or (False,) * len(plan.texts)
-        mapped = [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text, b)))
-                  for text, b, entry, c, spans in zip(plan.texts, bare, entries, chosen, plan.char_spans)]
-        return mapped if forced is None else [m | f for m, f in zip(mapped, forced)]
+        """`blend.aux_selection` over this engine's parts: the paper's selection, per chunk."""
+        return blend.aux_selection(self.parts, plan, options)
 
-    def positions_of(self, plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
-        parts = [offset + torch.nonzero(mask).flatten() for offset, mask in zip(plan.chunk_offsets, selected)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    @staticmethod
+    def positions_of(plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
+        return blend.positions_of(plan, selected)
 
 
 def open_store(location: str | Path, shared: str | None = None):

@@ -1,20 +1,21 @@
-"""The methods, each a prefill `(engine, plan, options) -> Prefill` over the same cache, mask and
-recompute code (so their outputs are directly comparable): `full`, `direct`, `shared_prefix`, `ape`,
-`cacheblend`, `cacheclip`, `oracle`."""
+"""The methods, each a prefill `(parts, plan, options) -> Prefill` over the engine's `Parts` (models, store,
+config, kernel) and the same cache, mask and recompute blocks (`blend`), so their outputs are directly
+comparable: `full`, `direct`, `shared_prefix`, `ape`, `cacheblend`, `cacheclip`, `oracle`."""
 
 from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import blend
 from .attention import ChunkScaling
+from .blend import Parts
 from .config import RequestOptions
 from .group import grouped_to_budget
 from .ingest import new_cache
@@ -25,63 +26,48 @@ from .select import primary_attention_scores, top_k_candidates, value_deviation_
 
 if TYPE_CHECKING:
     from .cache import BlendedCache
-    from .engine import Engine
 
 
-@contextmanager
-def side_stream(device: torch.device) -> Iterator[None]:
-    """Run the block on a CUDA stream of its own (finished before leaving), so it overlaps work queued
-    on the default stream by another thread; a no-op elsewhere."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
-
-
-def _now(engine: Engine, options: RequestOptions) -> float:
+def _now(parts: Parts, options: RequestOptions) -> float:
     """perf_counter, after the primary's queued GPU work when the request asks for synced timings (GPU
     work is asynchronous: otherwise a stage's kernels are billed to the later stage that waits for them)."""
-    if options.sync_timings and engine.primary.device.type == "cuda":
-        torch.cuda.synchronize(engine.primary.device)
+    if options.sync_timings and parts.primary.device.type == "cuda":
+        torch.cuda.synchronize(parts.primary.device)
     return time.perf_counter()
 
 
 # ---- methods: each a prefill -----------------------------------------------------------------
 
 
-def _prefill_full(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+def _prefill_full(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     timings = Timings()
-    t0 = _now(engine, options)
-    cache = new_cache(engine.primary, plan.length + options.max_new_tokens)
+    t0 = _now(parts, options)
+    cache = new_cache(parts.primary, plan.length + options.max_new_tokens)
     ids = torch.tensor([plan.all_ids()])
-    logits = forward_at(engine.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
-    timings.recompute_s = _now(engine, options) - t0
+    logits = forward_at(parts.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
+    timings.recompute_s = _now(parts, options) - t0
     return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), timings)
 
 
-def _reuse(engine: Engine, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
+def _reuse(parts: Parts, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
     timings = Timings()
-    t0 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, shared)
-    t1 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, torch.zeros(0, dtype=torch.long))
-    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
+    t0 = _now(parts, options)
+    cache = blend.blended_cache(parts, plan, options, shared)
+    t1 = _now(parts, options)
+    logits = blend.recompute_and_answer(parts, cache, plan, torch.zeros(0, dtype=torch.long))
+    timings.load_s, timings.recompute_s = t1 - t0, _now(parts, options) - t1
     return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings)
 
 
-def _prefill_direct(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    return _reuse(engine, plan, options, shared=False)
+def _prefill_direct(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
+    return _reuse(parts, plan, options, shared=False)
 
 
-def _prefill_shared_prefix(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
-    return _reuse(engine, plan, options, shared=True)
+def _prefill_shared_prefix(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
+    return _reuse(parts, plan, options, shared=True)
 
 
-def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+def _prefill_ape(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """APE: chunks encoded in parallel behind the shared prefix (each keeps the positions it was computed
     at), the question at the position after the longest chunk, and APE's temperature and scale on the
     chunk rows for every query token, the answer's included. Nothing is recomputed."""
@@ -89,9 +75,9 @@ def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill
         raise ValueError("method 'ape' places chunks in parallel: it needs the engine's own layout, not a prompt with "
                          "text between its chunks")
     timings = Timings()
-    t0 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, shared=True, reposition=False)
-    t1 = _now(engine, options)
+    t0 = _now(parts, options)
+    cache = blend.blended_cache(parts, plan, options, shared=True, reposition=False)
+    t1 = _now(parts, options)
     longest = max((len(c) for c in plan.chunk_ids), default=0)
     shift = plan.question_start - (plan.prefix_len + longest)
     rows = torch.arange(cache.capacity) - shift  # question and answer rows: after the longest chunk
@@ -101,98 +87,98 @@ def _prefill_ape(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill
     scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
     slots = plan.question_positions()
     ids = torch.tensor([list(plan.question_ids)])
-    logits = forward_at(engine.primary.model, cache, ids, (slots - shift)[None], slots=slots,
+    logits = forward_at(parts.primary.model, cache, ids, (slots - shift)[None], slots=slots,
                         chunk_scaling=scaling)[0, -1]
-    timings.load_s, timings.recompute_s = t1 - t0, _now(engine, options) - t1
+    timings.load_s, timings.recompute_s = t1 - t0, _now(parts, options) - t1
     return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings, rope_shift=shift, chunk_scaling=scaling)
 
 
-def _load_while_selecting(engine: Engine, plan: Plan, options: RequestOptions, timings: Timings,
+def _load_while_selecting(parts: Parts, plan: Plan, options: RequestOptions, timings: Timings,
                           selecting: RequestOptions) -> tuple[BlendedCache, list[torch.Tensor], float]:
     """The primary's caches loaded while the aux selects under `selecting` in a thread: the cache, the
     selection and the selection's seconds (`timings.load_s` is set). An aux that is the primary itself
     shares its stored caches (the same keys): it selects after the load, so a missing chunk is computed
     once, by the load, and the request's count of reused tokens does not depend on which thread won."""
-    t0 = _now(engine, options)
-    if engine.aux is not None and engine.aux.fingerprint.digest == engine.primary.fingerprint.digest:
-        cache = engine.blended_cache(plan, options, options.shared_prefix)
-        timings.load_s = _now(engine, options) - t0
-        selected, select_s = _timed(engine.aux_selection, plan, selecting)
+    t0 = _now(parts, options)
+    if parts.aux is not None and parts.aux.fingerprint.digest == parts.primary.fingerprint.digest:
+        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+        timings.load_s = _now(parts, options) - t0
+        selected, select_s = _timed(blend.aux_selection, parts, plan, selecting)
         return cache, selected, select_s
     with ThreadPoolExecutor(max_workers=1) as pool:
         # the aux's store reads count for this request too: the thread runs in a copy of this context
-        pending = pool.submit(contextvars.copy_context().run, _timed, engine.aux_selection, plan, selecting)
-        cache = engine.blended_cache(plan, options, options.shared_prefix)
-        timings.load_s = _now(engine, options) - t0
+        pending = pool.submit(contextvars.copy_context().run, _timed, blend.aux_selection, parts, plan, selecting)
+        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+        timings.load_s = _now(parts, options) - t0
         selected, select_s = pending.result()
     return cache, selected, select_s
 
 
-def _prefill_cacheclip(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """Aux selection runs in a thread while the primary's caches load; then recompute."""
     if options.requery is not None:
-        return _prefill_requery(engine, plan, options)
+        return _prefill_requery(parts, plan, options)
     timings = Timings()
-    cache, selected, timings.select_s = _load_while_selecting(engine, plan, options, timings, options)
-    positions = engine.positions_of(plan, selected)
-    t1 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, positions, options)
-    timings.recompute_s = _now(engine, options) - t1
+    cache, selected, timings.select_s = _load_while_selecting(parts, plan, options, timings, options)
+    positions = blend.positions_of(plan, selected)
+    t1 = _now(parts, options)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    timings.recompute_s = _now(parts, options) - t1
     return Prefill(cache, logits, positions, timings)
 
 
-def _prefill_requery(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+def _prefill_requery(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """CacheClip with the query-driven second stage (`requery`): the aux's share of the budget selected while
     the caches load (none at share 0), then the two stages, then the final recompute."""
     timings = Timings()
     share = float(options.requery or 0.0)
     if share > 0.0 and options.ratio > 0.0:
         stage_one = replace(options, ratio=share * options.ratio, requery=None)
-        cache, first, _ = _load_while_selecting(engine, plan, options, timings, stage_one)
+        cache, first, _ = _load_while_selecting(parts, plan, options, timings, stage_one)
     else:
-        t0 = _now(engine, options)
-        cache = engine.blended_cache(plan, options, options.shared_prefix)
-        timings.load_s = _now(engine, options) - t0
+        t0 = _now(parts, options)
+        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+        timings.load_s = _now(parts, options) - t0
         first = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
-    t1 = _now(engine, options)
-    positions, early = requery_positions(engine, cache, plan, options, first)
-    t2 = _now(engine, options)
-    logits = engine.recompute_and_answer(cache, plan, positions, options)
-    timings.select_s, timings.recompute_s = t2 - t1, _now(engine, options) - t2
+    t1 = _now(parts, options)
+    positions, early = requery_positions(parts, cache, plan, options, first)
+    t2 = _now(parts, options)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    timings.select_s, timings.recompute_s = t2 - t1, _now(parts, options) - t2
     return Prefill(cache, logits, positions, timings, extra_recomputed=early)
 
 
-def _prefill_cacheblend(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+def _prefill_cacheblend(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     timings = Timings()
-    t0 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, options.shared_prefix)
-    t1 = _now(engine, options)
+    t0 = _now(parts, options)
+    cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+    t1 = _now(parts, options)
     chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
-    deviation = value_deviation_scores(engine.primary, cache, chunk_ids, plan.prefix_len, kernel=engine.kernel)
+    deviation = value_deviation_scores(parts.primary, cache, chunk_ids, plan.prefix_len, kernel=parts.kernel)
     candidates = top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)
-    t2 = _now(engine, options)
-    positions = engine.positions_of(plan, candidates)
-    logits = engine.recompute_and_answer(cache, plan, positions, options)
-    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
+    t2 = _now(parts, options)
+    positions = blend.positions_of(plan, candidates)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(parts, options) - t2
     return Prefill(cache, logits, positions, timings)
 
 
-def _prefill_oracle(engine: Engine, plan: Plan, options: RequestOptions) -> Prefill:
+def _prefill_oracle(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     timings = Timings()
-    t0 = _now(engine, options)
-    scores = primary_attention_scores(engine.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
+    t0 = _now(parts, options)
+    scores = primary_attention_scores(parts.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
     per_chunk = [scores[a:b] for a, b in plan.chunk_rows()]
     if options.grouping:
-        candidates = grouped_to_budget(per_chunk, options.ratio, engine.config.window,
-                                       engine.config.threshold, options.exact_budget)
+        candidates = grouped_to_budget(per_chunk, options.ratio, parts.config.window,
+                                       parts.config.threshold, options.exact_budget)
     else:
         candidates = top_k_candidates(per_chunk, options.ratio)
-    t1 = _now(engine, options)
-    cache = engine.blended_cache(plan, options, options.shared_prefix)
-    t2 = _now(engine, options)
-    positions = engine.positions_of(plan, candidates)
-    logits = engine.recompute_and_answer(cache, plan, positions, options)
-    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(engine, options) - t2
+    t1 = _now(parts, options)
+    cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+    t2 = _now(parts, options)
+    positions = blend.positions_of(plan, candidates)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(parts, options) - t2
     return Prefill(cache, logits, positions, timings)
 
 
@@ -202,7 +188,7 @@ def _timed(fn: Callable, *args):
     return result, time.perf_counter() - t0
 
 
-PREFILLS: dict[str, Callable[[Engine, Plan, RequestOptions], Prefill]] = {
+PREFILLS: dict[str, Callable[[Parts, Plan, RequestOptions], Prefill]] = {
     "full": _prefill_full,
     "direct": _prefill_direct,
     "shared_prefix": _prefill_shared_prefix,

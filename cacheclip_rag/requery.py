@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import blend
 from .attention import AttentionProbe
+from .blend import Parts
 from .config import RequestOptions
 from .group import grouped_to_budget
 from .models import layer_types
@@ -33,16 +35,15 @@ from .select import question_tokens, top_k_candidates
 
 if TYPE_CHECKING:
     from .cache import BlendedCache
-    from .engine import Engine
 
 CHOSEN = 1e30  # stage 1's rows rank above every score; separators rank below (-1e30), as in aux_selection
 
 
-def question_attention(engine: Engine, cache: BlendedCache, plan: Plan, options: RequestOptions) -> torch.Tensor:
+def question_attention(parts: Parts, cache: BlendedCache, plan: Plan, options: RequestOptions) -> torch.Tensor:
     """The question's attention to each row between the prefix and the question, [question_start -
     prefix_len], fused over layers as the module doc says. Writes the question's rows into `cache`
     (the final pass writes them again)."""
-    lm = engine.primary
+    lm = parts.primary
     kinds = layer_types(lm.model)
     layers = [i for i, kind in enumerate(kinds) if kind == "full_attention"] or list(range(len(kinds)))
     ids, own = question_tokens(lm, plan.question, options.answer_prefix)
@@ -57,7 +58,7 @@ def question_attention(engine: Engine, cache: BlendedCache, plan: Plan, options:
     return fused / len(probes)
 
 
-def second_stage(engine: Engine, plan: Plan, options: RequestOptions, scores: torch.Tensor,
+def second_stage(parts: Parts, plan: Plan, options: RequestOptions, scores: torch.Tensor,
                  first: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per chunk, the rows to recompute (bool): stage 1's `first`, then the best of `scores` up to the
     budget. Chunk 0 behind the shared prefix is exact already and never chosen; separators rank last."""
@@ -72,22 +73,22 @@ def second_stage(engine: Engine, plan: Plan, options: RequestOptions, scores: to
         score[chosen] = CHOSEN
         per_chunk.append(score)
     if options.grouping:
-        picked = grouped_to_budget(per_chunk, options.ratio, engine.config.window, engine.config.threshold,
+        picked = grouped_to_budget(per_chunk, options.ratio, parts.config.window, parts.config.threshold,
                                    options.exact_budget)
     else:
         picked = top_k_candidates(per_chunk, options.ratio)
     return [p | f for p, f in zip(picked, first)]
 
 
-def requery_positions(engine: Engine, cache: BlendedCache, plan: Plan, options: RequestOptions,
+def requery_positions(parts: Parts, cache: BlendedCache, plan: Plan, options: RequestOptions,
                       first: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Stages 1 and 2 over the loaded `cache`: stage 1's rows `first` (per chunk, bool) recomputed, then the
     positions the final pass recomputes, and how many rows stage 1 ran (they run again in that pass)."""
-    early = engine.positions_of(plan, first)
+    early = blend.positions_of(plan, first)
     if early.numel():
         ids = torch.tensor(plan.all_ids())[early]
-        forward_at(engine.primary.model, cache, ids[None], early[None], kernel=engine.kernel)
+        forward_at(parts.primary.model, cache, ids[None], early[None], kernel=parts.kernel)
     chosen = first
     if options.ratio > 0.0:
-        chosen = second_stage(engine, plan, options, question_attention(engine, cache, plan, options), first)
-    return engine.positions_of(plan, chosen), int(early.numel())
+        chosen = second_stage(parts, plan, options, question_attention(parts, cache, plan, options), first)
+    return blend.positions_of(plan, chosen), int(early.numel())

@@ -35,13 +35,15 @@ def test_requery_spends_the_budget_and_counts_stage_ones_rows_twice(make_engine,
     assert set(alone.recomputed_positions.tolist()) != set(paper.recomputed_positions.tolist())
 
 
-def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_selection_is_kept(make_engine):
+def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_selection_is_kept(make_engine, monkeypatch):
     """cacheclip's default is requery=0 (it won on the default primary, bench/RESULTS.md): the aux is not run;
     requery=None reproduces the paper's aux selection."""
     engine = make_engine(tiny_model("llama"))
     calls = []
-    select = engine.aux_selection
-    engine.aux_selection = lambda *a: calls.append(1) or select(*a)
+    from cacheclip_rag import blend
+
+    select = blend.aux_selection
+    monkeypatch.setattr(blend, "aux_selection", lambda *a: calls.append(1) or select(*a))
     assert RequestOptions().requery == 0.0
     _, default = prefill(engine, ratio=0.3)
     assert not calls
@@ -58,7 +60,7 @@ def test_requery_zero_recomputes_the_rows_the_question_attends_to_most(make_engi
     plan, p = prefill(engine, ratio=0.25, requery=0.0, grouping=False)
     options = RequestOptions(ratio=0.25, max_new_tokens=1)
     cache = engine.blended_cache(plan, options, shared=True)
-    scores = question_attention(engine, cache, plan, options)
+    scores = question_attention(engine.parts, cache, plan, options)
     assert math.isclose(float(scores.sum()), 1.0, rel_tol=1e-4)  # each layer's share over the chunk rows
     a, b = plan.chunk_rows()[0]
     scores[a:b] = float("-inf")  # chunk 0 behind the prefix is exact already

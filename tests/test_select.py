@@ -140,14 +140,16 @@ def test_int8_aux_is_refused_off_the_cpu():
         EngineConfig(aux_quantization="int4")
 
 
-def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_computed_once(make_engine):
+def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_computed_once(make_engine, monkeypatch):
     """The aux and the primary as one model share their stored caches (the same keys). On a cold store the
     selection must not race the load: the load computes each missing chunk once, the aux then reads it, and
     the request reports no reused tokens (nothing was stored before it)."""
     lm = tiny_model("llama")
     engine = make_engine(lm)  # aux = primary
     events, writes = [], []
-    load, select, put_many = engine.blended_cache, engine.aux_selection, engine.store.put_many
+    from cacheclip_rag import blend
+
+    load, select, put_many = blend.blended_cache, blend.aux_selection, engine.store.put_many
 
     def loading(*args, **kwargs):
         cache = load(*args, **kwargs)
@@ -163,7 +165,9 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
         writes.extend(key for key, *_ in items)
         return put_many(items, *args, **kwargs)
 
-    engine.blended_cache, engine.aux_selection, engine.store.put_many = loading, selecting, storing
+    monkeypatch.setattr(blend, "blended_cache", loading)  # the blocks every method calls
+    monkeypatch.setattr(blend, "aux_selection", selecting)
+    engine.store.put_many = storing
     answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
                                                                 requery=None))
     assert events == ["loaded", "selecting"]
