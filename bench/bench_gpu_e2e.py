@@ -39,7 +39,7 @@ from cacheclip_rag.evaluation.ruler import prose_sentence
 from cacheclip_rag.models import LoadedModel, PromptFormat
 from cacheclip_rag.store import LMDBStore
 from cacheclip_rag.testing import tiny_config, tiny_tokenizer
-from cacheclip_rag.tier import DeviceTier, HostTier
+from cacheclip_rag.store.tiers import DeviceTier, HostTier
 
 QWEN25_14B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                   num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1e-6)

@@ -48,7 +48,7 @@ from cacheclip_rag.evaluation.stats import bootstrap_ci  # noqa: E402
 from cacheclip_rag.rope import rotate_keys_  # noqa: E402
 from cacheclip_rag.store import ChunkEntry, LMDBStore, entry_key  # noqa: E402
 from cacheclip_rag.store.entry import split_entry  # noqa: E402
-from cacheclip_rag.tier import HostTier  # noqa: E402
+from cacheclip_rag.store.tiers import HostTier  # noqa: E402
 
 CASES = {  # layers, kv heads, head dim, chunks, tokens a chunk, stored dtype, cache dtype
     "gemma-2k": (18, 1, 256, 8, 256, torch.float16, torch.float32),
@@ -127,7 +127,7 @@ def run_case(case: str, repeats: int, redis_url: str | None) -> list[dict]:
     }
     redis = None
     if redis_url:
-        from cacheclip_rag.redis_store import RedisStore
+        from cacheclip_rag.store.redis_store import RedisStore
 
         redis = RedisStore(redis_url, namespace=f"load{random.randrange(1 << 30)}")
         redis.put_many([(k, FP, e) for k, e in zip(keys, entries)])

@@ -147,7 +147,7 @@ def redis_eviction_run(rounds: int = 2) -> dict | None:
     from cacheclip_rag.config import RequestOptions
 
     try:
-        reading = ("import sys, time; from cacheclip_rag.redis_store import RedisStore\n"
+        reading = ("import sys, time; from cacheclip_rag.store.redis_store import RedisStore\n"
                    "s = RedisStore(sys.argv[1]); end = time.time() + 600\n"
                    "while time.time() < end:\n"
                    "    for k in list(s.keys()):\n"
@@ -190,7 +190,7 @@ def _redis_engine(maxmemory: str, policy: str, part_bytes: int = 32 << 20):
         return None, None, None
     from cacheclip_rag.config import EngineConfig
     from cacheclip_rag.engine import Engine
-    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.store.redis_store import RedisStore
     from cacheclip_rag.testing import tiny_model
 
     server = RedisServer(Path(tempfile.mkdtemp(prefix="cacheclip-stress-redis-")))
@@ -212,7 +212,7 @@ def redis_writers_run(seconds: float = 15.0) -> dict | None:
     import redis
 
     server = RedisServer(Path(tempfile.mkdtemp(prefix="cacheclip-stress-redis-")))
-    code = ("import sys, time; from cacheclip_rag.redis_store import RedisStore;"
+    code = ("import sys, time; from cacheclip_rag.store.redis_store import RedisStore;"
             "from tests.stress.workers import FINGERPRINT, synthetic_entry, synthetic_key;"
             f"s = RedisStore(sys.argv[1], part_bytes=4096); end = time.monotonic() + {seconds}\n"
             "while time.monotonic() < end:\n"

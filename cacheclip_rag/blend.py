@@ -27,7 +27,7 @@ from .request import Plan
 from .rope import rotate_keys_
 from .select import aux_scores, boundary_selection, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore
-from .tier import HostTier
+from .store.tiers import HostTier
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from .planning import plan_chunks, plan_layout
 from .recognize import Layout, StoreIndex, layout
 from .request import Answer, Plan, Prefill, Stream, Timings
 from .store import ChunkEntry, KVStore, LMDBStore, tally_reads
-from .tier import DeviceTier, HostTier
+from .store.tiers import DeviceTier, HostTier
 
 __all__ = ["Answer", "Engine", "Plan", "Prefill", "Stream", "Timings", "default_kernel", "open_store"]
 
@@ -297,13 +297,13 @@ def open_store(location: str | Path, shared: str | None = None):
     """The store for `location`: an LMDB folder, or a redis URL; with `shared` (a redis URL), a local
     LMDB tier in front of the shared one."""
     if is_redis_url(str(location)):
-        from .redis_store import RedisStore
+        from .store.redis_store import RedisStore
 
         return RedisStore(str(location))
     local = LMDBStore(location)
     if shared is None:
         return local
-    from .redis_store import RedisStore, TieredStore
+    from .store.redis_store import RedisStore, TieredStore
 
     return TieredStore(local, RedisStore(shared))
 

@@ -18,7 +18,7 @@ from .ingest import FormattedPrefix, Loaded, chunk_unit, compute_missing, prefix
 from .models import LoadedModel
 from .rope import rotate_keys_
 from .store import ChunkEntry, Slot
-from .tier import HostTier
+from .store.tiers import HostTier
 
 
 class LayerStream(Protocol):

@@ -150,7 +150,7 @@ def test_layerwise_loading_on_cuda_gives_the_plain_loads_answer(tmp_path, method
     from cacheclip_rag.engine import Engine
     from cacheclip_rag.store import LMDBStore
     from cacheclip_rag.testing import tiny_model
-    from cacheclip_rag.tier import HostTier
+    from cacheclip_rag.store.tiers import HostTier
     from tests.conftest import CHUNKS, QUESTION
 
     lm = tiny_model("gemma3")
@@ -170,7 +170,7 @@ def test_layerwise_loading_on_cuda_gives_the_plain_loads_answer(tmp_path, method
 @gpu
 def test_host_tier_pins_what_it_holds(tmp_path):
     from cacheclip_rag.store import ChunkEntry, LMDBStore
-    from cacheclip_rag.tier import HostTier
+    from cacheclip_rag.store.tiers import HostTier
 
     with LMDBStore(tmp_path) as store:
         store.put(b"k" * 32, "m", ChunkEntry(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), tuple(range(5)), ()))
@@ -182,7 +182,7 @@ def test_kernel_steps_need_no_lmdb():
     """The GPU machine has no lmdb wheel unless one travels: the kernel benchmark and the engine's
     imports must not need it (only opening a store does)."""
     code = ("import sys; sys.modules['lmdb'] = None\n"
-            "import cacheclip_rag.kernels.selected_attention, cacheclip_rag.engine, cacheclip_rag.tier\n"
+            "import cacheclip_rag.kernels.selected_attention, cacheclip_rag.engine, cacheclip_rag.store.tiers\n"
             "import runpy; sys.argv = ['bench_kernel.py', '--help']\n"
             "try:\n    runpy.run_path('bench/bench_kernel.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             "print('imported without lmdb')")

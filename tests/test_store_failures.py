@@ -78,7 +78,7 @@ def orphaned_parts(client, namespace: str = "cacheclip") -> tuple[int, int]:
 
 
 def test_an_entry_missing_one_part_reads_as_a_miss_everywhere_and_is_recomputed(tmp_path):
-    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.store.redis_store import RedisStore
 
     with redis_with(tmp_path, "512mb") as (server, client):
         store = RedisStore(server.unix_url, part_bytes=4 << 10)  # every tiny chunk cache is several parts
@@ -99,7 +99,7 @@ def test_an_entry_missing_one_part_reads_as_a_miss_everywhere_and_is_recomputed(
 
 
 def test_requests_under_real_lru_eviction_never_fail_and_no_manifest_points_at_evicted_parts(tmp_path):
-    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.store.redis_store import RedisStore
 
     with redis_with(tmp_path, "3mb") as (server, client):
         store = RedisStore(server.unix_url, part_bytes=16 << 10)
@@ -125,7 +125,7 @@ def test_requests_under_real_lru_eviction_never_fail_and_no_manifest_points_at_e
                                       b'{"token": "0123456789abcdef", "parts": 2000000, "bytes": 100000}',
                                       b'{"token": "0123456789abcdef", "parts": 1, "bytes": 1e30}'])
 def test_hostile_manifests_are_damage_not_raw_errors_or_a_minute_of_work(tmp_path, manifest):
-    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.store.redis_store import RedisStore
 
     with redis_with(tmp_path, "64mb") as (server, client):
         store = RedisStore(server.unix_url)
@@ -138,7 +138,7 @@ def test_hostile_manifests_are_damage_not_raw_errors_or_a_minute_of_work(tmp_pat
 
 
 def test_foreign_keys_in_the_namespace_are_skipped(tmp_path, caplog):
-    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.store.redis_store import RedisStore
 
     with redis_with(tmp_path, "64mb") as (server, client):
         store = RedisStore(server.unix_url)
@@ -150,7 +150,7 @@ def test_foreign_keys_in_the_namespace_are_skipped(tmp_path, caplog):
 
 
 def test_a_full_redis_server_never_fails_a_write_the_local_tier_took(tmp_path):
-    from cacheclip_rag.redis_store import RedisStore, TieredStore
+    from cacheclip_rag.store.redis_store import RedisStore, TieredStore
 
     with redis_with(tmp_path, "1mb", policy="noeviction") as (server, client):
         remote = RedisStore(server.unix_url)
@@ -164,9 +164,9 @@ def test_a_full_redis_server_never_fails_a_write_the_local_tier_took(tmp_path):
 
 
 def test_two_writers_of_the_same_keys_leave_no_orphaned_parts(tmp_path):
-    from cacheclip_rag.redis_store import RedisStore
+    from cacheclip_rag.store.redis_store import RedisStore
 
-    code = ("import sys, time; from cacheclip_rag.redis_store import RedisStore;"
+    code = ("import sys, time; from cacheclip_rag.store.redis_store import RedisStore;"
             "from tests.stress.workers import FINGERPRINT, synthetic_entry, synthetic_key;"
             "s = RedisStore(sys.argv[1], part_bytes=4096); end = time.monotonic() + 3\n"
             "while time.monotonic() < end:\n"

@@ -1,6 +1,8 @@
-"""Chunk-cache storage: the entry format (`entry`, `codec`), the LMDB store (`lmdb_store`, with its
-upkeep in `maintenance`), per-request read tallies (`tally`) and the protocol every store and tier
-follows (`protocol`)."""
+"""Chunk-cache storage, every store behind one protocol (`protocol`): the entry format (`entry`, `codec`,
+`errors`), the LMDB store (`lmdb_store`, with its upkeep in `maintenance`), the Redis store (`redis_store`)
+and a local store in front of it (`tiered_store`), the host and GPU tiers (`tiers`), a tenant's view of a
+store (`namespaced`), and per-request read tallies (`tally`). Redis and the tiers are imported only by
+who uses them."""
 
 from .entry import (FORMAT_VERSION, FP8, FP8_MAX, STORE_DTYPES, ChunkEntry, EntryView, _checksum, as_stored, decode_entry,
                     encode_entry, entry_key, parse_entry, quantize_fp8, verify_entry)

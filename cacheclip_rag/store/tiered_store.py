@@ -11,10 +11,11 @@ from dataclasses import replace
 
 import torch
 
-from .store import (ChunkEntry, KVStore, LMDBStore, Slot, StoreError, StoreFullError, StoreUnavailableError,
-                    as_stored)
-from .store.codec import copy_tensor
-from .store.protocol import misfit
+from .codec import copy_tensor
+from .entry import ChunkEntry, as_stored
+from .errors import StoreError, StoreFullError, StoreUnavailableError
+from .lmdb_store import LMDBStore
+from .protocol import KVStore, Slot, misfit
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from .store import ChunkEntry, KVStore, Slot, record_read
-from .store.codec import copy_tensor
+from .codec import copy_tensor
+from .entry import ChunkEntry
+from .protocol import KVStore, Slot
+from .tally import record_read
 
 
 class _LRUBytes:

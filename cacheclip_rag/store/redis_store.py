@@ -25,9 +25,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .store import (ChunkEntry, CorruptEntryError, Slot, StoreError, StoreFullError, StoreUnavailableError,
-                    encode_entry, parse_entry, record_read)
-from .store.protocol import misfit
+from .entry import ChunkEntry, encode_entry, parse_entry
+from .errors import CorruptEntryError, StoreError, StoreFullError, StoreUnavailableError
+from .protocol import Slot, misfit
+from .tally import record_read
 from .tiered_store import TieredStore  # noqa: F401 - the tier over Redis, importable from here
 
 log = logging.getLogger(__name__)
