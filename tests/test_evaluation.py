@@ -541,3 +541,33 @@ def test_compare_runs_pairs_a_variant_across_two_folders_and_refuses_different_f
     monkeypatch.setattr("sys.argv", ["compare_runs", f"{a}:cacheblend", f"{b}:cacheclip"])
     with pytest.raises(SystemExit, match="no rows of variant 'cacheblend'"):
         tool.main()
+
+
+def test_the_multichunk_family_puts_each_value_in_its_own_chunk_and_scores_strictly():
+    """Issue 54's family: the values of one key land in distinct chunks (the answer needs them all), the
+    comparison needs both keys' values, and strict scoring (solved: every value) is kept beside RULER's
+    partial credit; naming the wrong key first is wrong."""
+    from cacheclip_rag.evaluation import ruler
+
+    count = lambda text: len(text.split())  # noqa: E731
+    for task in ("spread2", "spread3", "spread4"):
+        k = int(task[-1])
+        for seed in range(6):
+            sample = ruler.generate(task, 2048, seed, count)
+            chunks = ruler.sample_chunks(sample, count)
+            assert len(sample.references) == k and len(set(sample.references)) == k
+            holders = [[i for i, c in enumerate(chunks) if value in c] for value in sample.references]
+            firsts = [h[0] for h in holders]
+            assert all(h for h in holders) and len(set(firsts)) == k, (task, seed, holders)
+            assert ruler.score(" ".join(sample.references), sample.references) == 1.0
+            assert ruler.score(sample.references[0], sample.references) == 1 / k  # partial credit ...
+    sample = ruler.generate("compare", 2048, 3, count)
+    (right,), (wrong,) = sample.references, sample.wrong
+    values = {n.key: int(n.value) for n in sample.needles[:2]}
+    assert values[right] > values[wrong] and right in sample.question and wrong in sample.question
+    assert ruler.score(f"{right}, not {wrong}", sample.references, sample.wrong) == 1.0
+    assert ruler.score(f"{wrong}, not {right}", sample.references, sample.wrong) == 0.0
+    from cacheclip_rag.evaluation.profiles import PROFILES
+
+    profile = PROFILES["multichunk"]
+    assert profile.tasks == ruler.MULTICHUNK_TASKS and profile.samples_at(2048) * len(profile.tasks) >= 52

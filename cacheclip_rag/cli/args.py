@@ -15,7 +15,7 @@ from ..sources import ModelSourceError, check_model_source
 DESCRIPTION = ("cacheclip-rag: fast RAG answers from precomputed chunk caches. Arguments are checked before anything "
                "heavy loads; torch, transformers and LlamaIndex load only when a command's work starts.")
 DEMO_QUESTION_COUNT = 5  # demo.DEMO_SET (a test pins it)
-EVAL_PROFILES = ("quick", "power", "sweep", "tail", "ablations", "gap", "full")  # evaluation.profiles.PROFILES (a test pins it)
+EVAL_PROFILES = ("quick", "power", "sweep", "tail", "ablations", "gap", "full", "multichunk")  # evaluation.profiles.PROFILES (a test pins it)
 
 
 def fail(message: str) -> None:

@@ -91,6 +91,14 @@ PROFILES = {
         variants=("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", "oracle"),
         alignment_lengths=(1024,),
     ),
+    # answers spread over several chunks (issue 54): all the values of one key in 2, 3 and 4 parts of the
+    # context, and a comparison of two keys' values; scored strictly (`solved`: every value) beside the
+    # partial credit RULER gives; 52 samples a length
+    "multichunk": Profile(
+        "multichunk", lengths=(2048, 4096), tasks=ruler.MULTICHUNK_TASKS, samples=13, ratios=(0.2,),
+        variants=("full", "shared_prefix", "cacheblend", "cacheclip_requery", "cacheclip", "oracle"),
+        alignment_lengths=(), alignment_samples=0, max_new_tokens=48,
+    ),
     # the paired comparison at the headline budget, with power: 104 samples at 2K (run first: the
     # acceptance set), then 200 at 1K
     "power": Profile(

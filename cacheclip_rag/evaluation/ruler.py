@@ -37,6 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 TASKS = ("single1", "single2", "single3", "multikey1", "multikey2", "multikey3", "multivalue", "multiquery")
+# answers spread over chunks (not RULER's; see `generate`): all the values of one key, each in its own part of
+# the context (2, 3, 4 values), and a comparison of two keys' values, which needs both
+MULTICHUNK_TASKS = ("spread2", "spread3", "spread4", "compare")
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -82,6 +85,8 @@ class TaskSpec:
     distractors: int = 0  # needles with other keys (multikey1)
     values_per_key: int = 1  # multivalue
     queries: int = 1  # multiquery
+    spread: bool = False  # each value of the asked key in its own 1/values_per_key of the context
+    compare: bool = False  # two keys asked: which has the larger value
 
 
 SPECS: dict[str, TaskSpec] = {
@@ -93,6 +98,10 @@ SPECS: dict[str, TaskSpec] = {
     "multikey3": TaskSpec("needles", "uuids", "uuids"),
     "multivalue": TaskSpec("prose", "words", "numbers", values_per_key=4),
     "multiquery": TaskSpec("prose", "words", "numbers", queries=4),
+    "spread2": TaskSpec("prose", "words", "numbers", values_per_key=2, spread=True),
+    "spread3": TaskSpec("prose", "words", "numbers", values_per_key=3, spread=True),
+    "spread4": TaskSpec("prose", "words", "numbers", values_per_key=4, spread=True),
+    "compare": TaskSpec("prose", "words", "numbers", queries=2, spread=True, compare=True),
 }
 
 
@@ -116,6 +125,7 @@ class Sample:
     answer_prefix: str
     references: tuple[str, ...]  # values the answer must contain
     preamble: str = ""  # RULER's instruction before the context: the shared prefix
+    wrong: tuple[str, ...] = ()  # answers that make the output wrong if they come before the reference (compare)
 
     @property
     def context(self) -> str:
@@ -175,7 +185,7 @@ def _filler(spec: TaskSpec, rng: random.Random, draw: _Draw) -> Callable[[], str
 def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[str], int]) -> Sample:
     """A sample whose context is about `target_tokens` tokens long as `count_tokens` counts them."""
     if task not in SPECS:
-        raise ValueError(f"unknown RULER task {task!r}; choose one of {', '.join(TASKS)}")
+        raise ValueError(f"unknown RULER task {task!r}; choose one of {', '.join(TASKS + MULTICHUNK_TASKS)}")
     if target_tokens < 64:
         raise ValueError(f"target_tokens must be >= 64, got {target_tokens}")
     spec = SPECS[task]
@@ -200,8 +210,24 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
     if spec.haystack == "needles":  # filler sentences are needles too: distractors to report
         needles += [_parse_needle(s) for s in haystack]
     sentences = list(haystack)
-    for needle in needles[: spec.queries * spec.values_per_key + spec.distractors]:
-        sentences.insert(rng.randint(0, len(sentences)), needle.sentence)
+    placed = needles[: spec.queries * spec.values_per_key + spec.distractors]
+    if spec.spread:  # needle i in the i-th of len(placed) equal parts, at a random place inside it
+        parts = len(placed)
+        for i in reversed(range(parts)):
+            low, high = (i * len(sentences)) // parts, ((i + 1) * len(sentences)) // parts
+            sentences.insert(rng.randint(low, max(low, high - 1)), placed[i].sentence)
+    else:
+        for needle in placed:
+            sentences.insert(rng.randint(0, len(sentences)), needle.sentence)
+    if spec.compare:
+        larger = max(needles[:2], key=lambda n: int(n.value))
+        smaller = needles[1] if larger is needles[0] else needles[0]
+        values = _noun_for(spec.value_kind, plural=True)
+        preamble = ruler_wording(asked, spec.value_kind)[0]
+        question = (f"Which has the larger special magic number, {asked[0]} or {asked[1]}? Compare the special "
+                    f"magic {values} for the two mentioned in the provided text.")
+        return Sample(task, seed, target_tokens, tuple(sentences), tuple(needles), question,
+                      " The one with the larger special magic number is", (larger.key,), preamble, (smaller.key,))
     preamble, question, prefix = ruler_wording(asked, spec.value_kind)
     references = tuple(n.value for n in needles if n.key in asked)
     return Sample(task, seed, target_tokens, tuple(sentences), tuple(needles), question, prefix, references, preamble)
@@ -255,9 +281,15 @@ def sample_chunks(sample: Sample, count_tokens: Callable[[str], int]) -> list[st
     return chunk_sentences(sample.sentences, count_tokens, size, overlap)
 
 
-def score(output: str, references: Sequence[str]) -> float:
-    """RULER string_match_all: the fraction of references found in the output (case-insensitive)."""
+def score(output: str, references: Sequence[str], wrong: Sequence[str] = ()) -> float:
+    """RULER string_match_all: the fraction of references found in the output (case-insensitive). A
+    reference that a `wrong` answer precedes does not count (the comparison: naming the other key first)."""
     if not references:
         raise ValueError("a sample needs at least one reference value")
     text = output.lower()
-    return sum(ref.lower() in text for ref in references) / len(references)
+
+    def found(ref: str) -> bool:
+        at = text.find(ref.lower())
+        return at >= 0 and not any(0 <= text.find(w.lower()) < at for w in wrong)
+
+    return sum(found(ref) for ref in references) / len(references)

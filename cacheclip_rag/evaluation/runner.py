@@ -62,13 +62,14 @@ def ruler_engine(engine: Engine, sample: ruler.Sample) -> Engine:
     return view
 
 
-def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOptions, references, started: float):
+def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOptions, references, started: float,
+                           wrong: tuple[str, ...] = ()):
     """Greedy decode that ends once every reference is in the output (the score cannot change after)."""
     stream = engine.decode(plan, prefill, options, started)
     text = ""
     for piece in stream:
         text += piece
-        if ruler.score(text, references) == 1.0:
+        if ruler.score(text, references, wrong) == 1.0:
             break
     return text, list(stream.token_ids), prefill.timings
 
@@ -93,7 +94,8 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
         )
         started = time.perf_counter()
         plan, prefill = engine.prefill(sample.question, chunks, options)
-        text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, sample.references, started)
+        text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, sample.references, started,
+                                                       sample.wrong)
         return plan, prefill, text, tokens, timings
 
     plan, full_prefill, full_text, full_tokens, full_timings = measure(VARIANTS["full"], None)
@@ -115,7 +117,7 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
             records.append(Record(
                 task=sample.task, length=sample.target_tokens, seed=sample.seed, variant=name, ratio=ratio,
                 prompt_tokens=plan.length, chunk_tokens=chunk_tokens, chunks=len(chunks),
-                score=ruler.score(text, sample.references), kl=first_token_kl(full_prefill.logits, prefill.logits),
+                score=ruler.score(text, sample.references, sample.wrong), kl=first_token_kl(full_prefill.logits, prefill.logits),
                 tf_kl=tf_kl, tf_top1=tf_top1, gold_ll=gold_ll, gold_ll_delta=gold_ll - full_gold,
                 recomputed_share=1.0 if name == "full" else recomputed / max(1, chunk_tokens),
                 load_s=timings.load_s, select_s=timings.select_s, recompute_s=timings.recompute_s,
@@ -230,7 +232,7 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
                          "sliding-window layers")
     unknown = [t for t in profile.tasks if t not in ruler.SPECS]
     if unknown:
-        raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(ruler.TASKS)}")
+        raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(ruler.SPECS)}")
     done: dict[tuple[str, int, int], list[Record]] = {}
     if out_dir is not None:
         _check_run(out_dir, _run_identity(engine, profile, seed))
