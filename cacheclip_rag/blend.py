@@ -86,12 +86,13 @@ def blended_cache(parts: Parts, plan: Plan, options: RequestOptions, shared: boo
     batch, dtype = parts.config.ingest_batch_size, store_dtype(parts, lm)
     stream = parts.layer_stream(lm) if isinstance(parts.store, HostTier) else None
     if stream is not None:
-        loaded = load_layerwise(lm, parts.store, plan.texts, plan.chunk_ids, slots, deltas, variant,
-                                plan.system_prompt, stream, batch, dtype, plan.bare or None)
+        loaded = load_layerwise(lm, parts.store, texts=plan.texts, token_ids=plan.chunk_ids, slots=slots, deltas=deltas,
+                                variant=variant, system_prompt=plan.system_prompt, stream=stream, batch_size=batch,
+                                store_dtype=dtype, bare=plan.bare or None)
         cache.wait_for_layer = stream.wait
     else:
-        loaded = load_into(lm, parts.store, plan.texts, plan.chunk_ids, slots, variant, plan.system_prompt,
-                           batch, dtype, plan.bare or None)
+        loaded = load_into(lm, parts.store, texts=plan.texts, token_ids=plan.chunk_ids, slots=slots, variant=variant,
+                           system_prompt=plan.system_prompt, batch_size=batch, store_dtype=dtype, bare=plan.bare or None)
         rotations: dict = {}
         for (keys, _), delta in zip(slots, deltas):
             rotate_keys_(lm.model, keys, delta, rotations=rotations)  # in the compute dtype, in place

@@ -282,7 +282,7 @@ def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], vari
     return prefix, found  # type: ignore[return-value]
 
 
-def load_into(lm: LoadedModel, store: KVStore, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
+def load_into(lm: LoadedModel, store: KVStore, *, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
               slots: Sequence[Slot], variant: str, system_prompt: str | FormattedPrefix, batch_size: int = 4,
               store_dtype: torch.dtype | None = None, bare: Sequence[bool] | None = None) -> Loaded:
     """Each chunk's cache decoded straight into `slots[i]` (views of the request's blended cache), the

@@ -69,7 +69,7 @@ def copy_layerwise(stream: LayerStream, sources: Sequence[ChunkEntry], slots: Se
         stream.record(layer)
 
 
-def load_layerwise(lm: LoadedModel, tier: HostTier, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
+def load_layerwise(lm: LoadedModel, tier: HostTier, *, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
                    slots: Sequence[Slot], deltas: Sequence[int], variant: str, system_prompt: str | FormattedPrefix,
                    stream: LayerStream, batch_size: int = 4, store_dtype: torch.dtype | None = None,
                    bare: Sequence[bool] | None = None) -> Loaded:
