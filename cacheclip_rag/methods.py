@@ -20,7 +20,7 @@ from .config import RequestOptions
 from .group import grouped_to_budget
 from .ingest import new_cache
 from .recompute import forward_at
-from .request import Plan, Prefill, Timings
+from .request import Plan, Prefill, Trace
 from .requery import requery_positions
 from .select import primary_attention_scores, top_k_candidates, value_deviation_scores
 
@@ -28,35 +28,29 @@ if TYPE_CHECKING:
     from .cache import BlendedCache
 
 
-def _now(parts: Parts, options: RequestOptions) -> float:
-    """perf_counter, after the primary's queued GPU work when the request asks for synced timings (GPU
-    work is asynchronous: otherwise a stage's kernels are billed to the later stage that waits for them)."""
-    if options.sync_timings and parts.primary.device.type == "cuda":
-        torch.cuda.synchronize(parts.primary.device)
-    return time.perf_counter()
+def _trace(parts: Parts, options: RequestOptions) -> Trace:
+    return Trace(parts.primary.device, options.sync_timings)
 
 
-# ---- methods: each a prefill -----------------------------------------------------------------
+# ---- methods: each a prefill, load -> select -> recompute ---------------------------------------
 
 
 def _prefill_full(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
-    timings = Timings()
-    t0 = _now(parts, options)
-    cache = new_cache(parts.primary, plan.length + options.max_new_tokens)
-    ids = torch.tensor([plan.all_ids()])
-    logits = forward_at(parts.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
-    timings.recompute_s = _now(parts, options) - t0
-    return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), timings)
+    trace = _trace(parts, options)
+    with trace.stage("recompute"):
+        cache = new_cache(parts.primary, plan.length + options.max_new_tokens)
+        ids = torch.tensor([plan.all_ids()])
+        logits = forward_at(parts.primary.model, cache, ids, torch.arange(plan.length)[None])[0, -1]
+    return Prefill(cache, logits, torch.arange(plan.prefix_len, plan.question_start), trace.timings)
 
 
 def _reuse(parts: Parts, plan: Plan, options: RequestOptions, shared: bool) -> Prefill:
-    timings = Timings()
-    t0 = _now(parts, options)
-    cache = blend.blended_cache(parts, plan, options, shared)
-    t1 = _now(parts, options)
-    logits = blend.recompute_and_answer(parts, cache, plan, torch.zeros(0, dtype=torch.long))
-    timings.load_s, timings.recompute_s = t1 - t0, _now(parts, options) - t1
-    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings)
+    trace, nothing = _trace(parts, options), torch.zeros(0, dtype=torch.long)
+    with trace.stage("load"):
+        cache = blend.blended_cache(parts, plan, options, shared)
+    with trace.stage("recompute"):
+        logits = blend.recompute_and_answer(parts, cache, plan, nothing)
+    return Prefill(cache, logits, nothing, trace.timings)
 
 
 def _prefill_direct(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
@@ -74,112 +68,109 @@ def _prefill_ape(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     if plan.has_gaps:
         raise ValueError("method 'ape' places chunks in parallel: it needs the engine's own layout, not a prompt with "
                          "text between its chunks")
-    timings = Timings()
-    t0 = _now(parts, options)
-    cache = blend.blended_cache(parts, plan, options, shared=True, reposition=False)
-    t1 = _now(parts, options)
-    longest = max((len(c) for c in plan.chunk_ids), default=0)
-    shift = plan.question_start - (plan.prefix_len + longest)
-    rows = torch.arange(cache.capacity) - shift  # question and answer rows: after the longest chunk
-    rows[: plan.prefix_len] = torch.arange(plan.prefix_len)
-    for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids):
-        rows[offset:offset + len(ids)] = torch.arange(plan.prefix_len, plan.prefix_len + len(ids))
-    scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
-    slots = plan.question_positions()
-    ids = torch.tensor([list(plan.question_ids)])
-    logits = forward_at(parts.primary.model, cache, ids, (slots - shift)[None], slots=slots,
-                        chunk_scaling=scaling)[0, -1]
-    timings.load_s, timings.recompute_s = t1 - t0, _now(parts, options) - t1
-    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), timings, rope_shift=shift, chunk_scaling=scaling)
+    trace = _trace(parts, options)
+    with trace.stage("load"):
+        cache = blend.blended_cache(parts, plan, options, shared=True, reposition=False)
+    with trace.stage("recompute"):
+        longest = max((len(c) for c in plan.chunk_ids), default=0)
+        shift = plan.question_start - (plan.prefix_len + longest)
+        rows = torch.arange(cache.capacity) - shift  # question and answer rows: after the longest chunk
+        rows[: plan.prefix_len] = torch.arange(plan.prefix_len)
+        for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids):
+            rows[offset:offset + len(ids)] = torch.arange(plan.prefix_len, plan.prefix_len + len(ids))
+        scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
+        slots = plan.question_positions()
+        ids = torch.tensor([list(plan.question_ids)])
+        logits = forward_at(parts.primary.model, cache, ids, (slots - shift)[None], slots=slots,
+                            chunk_scaling=scaling)[0, -1]
+    return Prefill(cache, logits, torch.zeros(0, dtype=torch.long), trace.timings, rope_shift=shift,
+                   chunk_scaling=scaling)
 
 
-def _load_while_selecting(parts: Parts, plan: Plan, options: RequestOptions, timings: Timings,
-                          selecting: RequestOptions) -> tuple[BlendedCache, list[torch.Tensor], float]:
-    """The primary's caches loaded while the aux selects under `selecting` in a thread: the cache, the
-    selection and the selection's seconds (`timings.load_s` is set). An aux that is the primary itself
-    shares its stored caches (the same keys): it selects after the load, so a missing chunk is computed
-    once, by the load, and the request's count of reused tokens does not depend on which thread won."""
-    t0 = _now(parts, options)
+def _load_while_selecting(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace,
+                          selecting: RequestOptions) -> tuple[BlendedCache, list[torch.Tensor]]:
+    """The primary's caches loaded (stage "load") while the aux selects under `selecting` in a thread
+    (its own seconds go to stage "select"). An aux that is the primary itself shares its stored caches
+    (the same keys): it selects after the load, so a missing chunk is computed once, by the load, and the
+    request's count of reused tokens does not depend on which thread won."""
     if parts.aux is not None and parts.aux.fingerprint.digest == parts.primary.fingerprint.digest:
-        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-        timings.load_s = _now(parts, options) - t0
-        selected, select_s = _timed(blend.aux_selection, parts, plan, selecting)
-        return cache, selected, select_s
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        # the aux's store reads count for this request too: the thread runs in a copy of this context
-        pending = pool.submit(contextvars.copy_context().run, _timed, blend.aux_selection, parts, plan, selecting)
-        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-        timings.load_s = _now(parts, options) - t0
-        selected, select_s = pending.result()
-    return cache, selected, select_s
+        with trace.stage("load"):
+            cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+        selected, seconds = _timed(blend.aux_selection, parts, plan, selecting)
+    else:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # the aux's store reads count for this request too: the thread runs in a copy of this context
+            pending = pool.submit(contextvars.copy_context().run, _timed, blend.aux_selection, parts, plan, selecting)
+            with trace.stage("load"):
+                cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+            selected, seconds = pending.result()
+    trace.add("select", seconds)
+    return cache, selected
 
 
 def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
-    """Aux selection runs in a thread while the primary's caches load; then recompute."""
+    """The paper's: the aux selects in a thread while the primary's caches load; then the recompute. With
+    `requery` (the default, 0): the question's own attention selects (`_prefill_requery`)."""
     if options.requery is not None:
         return _prefill_requery(parts, plan, options)
-    timings = Timings()
-    cache, selected, timings.select_s = _load_while_selecting(parts, plan, options, timings, options)
+    trace = _trace(parts, options)
+    cache, selected = _load_while_selecting(parts, plan, options, trace, options)
     positions = blend.positions_of(plan, selected)
-    t1 = _now(parts, options)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    timings.recompute_s = _now(parts, options) - t1
-    return Prefill(cache, logits, positions, timings)
+    with trace.stage("recompute"):
+        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    return Prefill(cache, logits, positions, trace.timings)
 
 
 def _prefill_requery(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """CacheClip with the query-driven second stage (`requery`): the aux's share of the budget selected while
     the caches load (none at share 0), then the two stages, then the final recompute."""
-    timings = Timings()
+    trace = _trace(parts, options)
     share = float(options.requery or 0.0)
     if share > 0.0 and options.ratio > 0.0:
         stage_one = replace(options, ratio=share * options.ratio, requery=None)
-        cache, first, _ = _load_while_selecting(parts, plan, options, timings, stage_one)
+        cache, first = _load_while_selecting(parts, plan, options, trace, stage_one)
+        trace.timings.select_s = 0.0  # the aux's stage overlaps the load; the select stage is the question's
     else:
-        t0 = _now(parts, options)
-        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-        timings.load_s = _now(parts, options) - t0
+        with trace.stage("load"):
+            cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
         first = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
-    t1 = _now(parts, options)
-    positions, early = requery_positions(parts, cache, plan, options, first)
-    t2 = _now(parts, options)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    timings.select_s, timings.recompute_s = t2 - t1, _now(parts, options) - t2
-    return Prefill(cache, logits, positions, timings, extra_recomputed=early)
+    with trace.stage("select"):
+        positions, early = requery_positions(parts, cache, plan, options, first)
+    with trace.stage("recompute"):
+        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    return Prefill(cache, logits, positions, trace.timings, extra_recomputed=early)
 
 
 def _prefill_cacheblend(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
-    timings = Timings()
-    t0 = _now(parts, options)
-    cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-    t1 = _now(parts, options)
-    chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
-    deviation = value_deviation_scores(parts.primary, cache, chunk_ids, plan.prefix_len, kernel=parts.kernel)
-    candidates = top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)
-    t2 = _now(parts, options)
+    trace = _trace(parts, options)
+    with trace.stage("load"):
+        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+    with trace.stage("select"):
+        chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
+        deviation = value_deviation_scores(parts.primary, cache, chunk_ids, plan.prefix_len, kernel=parts.kernel)
+        candidates = top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)
     positions = blend.positions_of(plan, candidates)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    timings.load_s, timings.select_s, timings.recompute_s = t1 - t0, t2 - t1, _now(parts, options) - t2
-    return Prefill(cache, logits, positions, timings)
+    with trace.stage("recompute"):
+        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    return Prefill(cache, logits, positions, trace.timings)
 
 
 def _prefill_oracle(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
-    timings = Timings()
-    t0 = _now(parts, options)
-    scores = primary_attention_scores(parts.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
-    per_chunk = [scores[a:b] for a, b in plan.chunk_rows()]
-    if options.grouping:
-        candidates = grouped_to_budget(per_chunk, options.ratio, parts.config.window,
-                                       parts.config.threshold, options.exact_budget)
-    else:
-        candidates = top_k_candidates(per_chunk, options.ratio)
-    t1 = _now(parts, options)
-    cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-    t2 = _now(parts, options)
+    trace = _trace(parts, options)
+    with trace.stage("select"):
+        scores = primary_attention_scores(parts.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
+        per_chunk = [scores[a:b] for a, b in plan.chunk_rows()]
+        if options.grouping:
+            candidates = grouped_to_budget(per_chunk, options.ratio, parts.config.window,
+                                           parts.config.threshold, options.exact_budget)
+        else:
+            candidates = top_k_candidates(per_chunk, options.ratio)
+    with trace.stage("load"):
+        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
     positions = blend.positions_of(plan, candidates)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    timings.select_s, timings.load_s, timings.recompute_s = t1 - t0, t2 - t1, _now(parts, options) - t2
-    return Prefill(cache, logits, positions, timings)
+    with trace.stage("recompute"):
+        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    return Prefill(cache, logits, positions, trace.timings)
 
 
 def _timed(fn: Callable, *args):

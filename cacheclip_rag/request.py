@@ -1,9 +1,12 @@
 """The state of one request, passed explicitly between its stages: the prompt's token layout (`Plan`),
-a method's prefill (`Prefill`), its stage times (`Timings`), and what it answered (`Answer`, `Stream`)."""
+a method's prefill (`Prefill`), its stage times (`Timings`, kept by a `Trace`), and what it answered (`Answer`,
+`Stream`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -109,6 +112,32 @@ class Timings:
             "load_s": self.load_s, "select_s": self.select_s, "recompute_s": self.recompute_s,
             "ttft_s": self.ttft_s, "decode_tokens_per_s": self.decode_tokens_per_s, "store": dict(self.store),
         }
+
+
+class Trace:
+    """One prefill's seconds per stage: `with trace.stage("load"):` adds the block's time to `timings.load_s`.
+    With `sync` (a request's `sync_timings` on CUDA) each boundary first waits for `device`'s queued work:
+    GPU work is asynchronous, and otherwise a stage's kernels are billed to the later stage that waits."""
+
+    def __init__(self, device: torch.device, sync: bool = False):
+        self.device, self.sync = device, sync and device.type == "cuda"
+        self.timings = Timings()
+
+    def now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(name, self.now() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        setattr(self.timings, f"{name}_s", getattr(self.timings, f"{name}_s") + seconds)
 
 
 @dataclass
