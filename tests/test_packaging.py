@@ -17,16 +17,18 @@ from cacheclip_rag.recompute import cache_argument
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def in_plain_checkout(code: str, cwd: Path) -> str:
+    """What `code` prints with the checkout on PYTHONPATH and no install (the editable finder removed)."""
+    code = "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()];" + code
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, check=True).stdout
+
+
 def test_kernels_and_integrations_import_from_a_plain_checkout(tmp_path):
     """No install, only PYTHONPATH: the kernels and integrations still resolve under cacheclip_rag,
     to the checkout's own files (not an installed copy)."""
-    code = (
-        "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()];"
-        "import cacheclip_rag.kernels.selected_attention as k, cacheclip_rag.integrations.common as c;"
-        "print(k.__file__); print(c.__file__)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = in_plain_checkout("import cacheclip_rag.kernels.selected_attention as k, cacheclip_rag.integrations.common as c;"
+                            "print(k.__file__); print(c.__file__)", tmp_path).split()
     assert out == [str(ROOT / "kernels" / "selected_attention.py"), str(ROOT / "integrations" / "common.py")]
 
 
@@ -62,13 +64,9 @@ def test_hugging_face_kernels_is_not_shadowed_from_the_repo_root():
 def test_a_plain_checkout_maps_only_the_kernels_and_integrations(tmp_path):
     """The checkout's root holds tests/, bench/ and examples/ too: none of them may become
     `cacheclip_rag.tests` and the like."""
-    code = (
-        "import sys; sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()];"
-        "import importlib.util, cacheclip_rag;"
-        "print([n for n in ('tests', 'bench', 'examples', 'scripts') if importlib.util.find_spec('cacheclip_rag.' + n)])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, check=True).stdout.strip()
+    out = in_plain_checkout("import importlib.util, cacheclip_rag;"
+                            "print([n for n in ('tests', 'bench', 'examples', 'scripts') "
+                            "if importlib.util.find_spec('cacheclip_rag.' + n)])", tmp_path).strip()
     assert out == "[]"
 
 
