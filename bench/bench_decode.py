@@ -43,7 +43,8 @@ def chunks_of(engine: Engine, tokens: int) -> list[str]:
 
 def engine_rate(engine: Engine, chunks: list[str], tokens: int) -> float:
     options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1, prompt_stops=False)
-    plan, prefill = engine.prefill("What does the handbook say?", chunks, options)
+    plan = engine.plan("What does the handbook say?", chunks, options)
+    prefill = engine.prefill(plan, options)
     stream = engine.decode(plan, prefill, options)
     for _ in stream:
         pass

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 DOCS = ("faiss-cpu", "tqdm", "xxhash", "safetensors")
 VARIANTS = {  # label -> RequestOptions besides the ratio
     "full": {"method": "full"},
-    "cacheclip": {"method": "cacheclip"},  # the default selection (the question's attention, requery 0)
-    "cacheclip_paper": {"method": "cacheclip", "requery": None},  # the paper's aux selection
+    "cacheclip": {"method": "cacheclip"},  # the default selection (the question's attention)
+    "cacheclip_paper": {"method": "cacheclip", "selection": "aux"},  # the paper's aux selection
 }
 MAX_CHARS = 6000  # each description's opening: the prose part, before the long API references
 QUESTIONS = (

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from cacheclip_rag.config import EngineConfig, RequestOptions
+from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine, default_kernel
 from cacheclip_rag.evaluation.ruler import prose_sentence
 from cacheclip_rag.models import LoadedModel, PromptFormat
@@ -88,7 +88,7 @@ def measure(engine: Engine, question: str, chunks: list[str], options: RequestOp
         sync(engine.config.device)
         ttfts.append(engine.generate(question, chunks, options).timings.ttft_s)
     sync(engine.config.device)
-    staged = engine.generate(question, chunks, replace(options, sync_timings=True))
+    staged = engine.generate(question, chunks, replace(options, diagnostics=Diagnostics(sync_timings=True)))
     t = staged.timings
     overlapped = options.method == "cacheclip"  # aux selection runs beside the load
     critical = (max(t.load_s, t.select_s) if overlapped else t.load_s + t.select_s) + t.recompute_s
@@ -162,7 +162,7 @@ def main() -> int:
                 engine = engines[aux] if aux else first
                 # "cacheclip": the paper's aux selection; "requery": cacheclip's default, the question's attention
                 options = RequestOptions(method="cacheclip" if method == "requery" else method, ratio=ratio,
-                                         max_new_tokens=1, requery=0.0 if method == "requery" else None)
+                                         max_new_tokens=1, selection="question" if method == "requery" else "aux")
                 engine.generate(question, chunks, options)  # warm-up: kernels compiled, the tier filled
                 r = measure(engine, question, chunks, options, args.repeats)
                 if method == "full":

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import teacher_forced_fidelity  # noqa: E402
 from cacheclip_rag.evaluation.ruler import chunk_sentences  # noqa: E402
@@ -107,9 +107,11 @@ def run_case(engine: Engine, case: dict, methods: list[str], ratio: float) -> di
     rows, result = {}, {"seed": case["seed"], "chunk_size": case["chunk_size"], "chunks": len(case["chunks"])}
     for name in ["full", *methods]:
         v = VARIANTS[name]
-        options = RequestOptions(method=v.method, ratio=ratio, grouping=v.grouping, exact_budget=v.exact_budget,
-                                 requery=v.requery, max_new_tokens=ANSWER_TOKENS, prompt_stops=False)
-        plan, prefill = engine.prefill(case["question"], case["chunks"], options)
+        options = RequestOptions(method=v.method, ratio=ratio, selection=v.selection, aux_share=v.aux_share,
+                                 diagnostics=Diagnostics(grouping=v.grouping, exact_budget=v.exact_budget),
+                                 max_new_tokens=ANSWER_TOKENS, prompt_stops=False)
+        plan = engine.plan(case["question"], case["chunks"], options)
+        prefill = engine.prefill(plan, options)
         if name == "full":
             stream = engine.decode(plan, prefill, options)
             text = "".join(stream)

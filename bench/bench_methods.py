@@ -25,6 +25,7 @@ from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
 from cacheclip_rag.evaluation.runner import token_counter
 from cacheclip_rag.models import load_model
+from cacheclip_rag.selection import aux_attention
 from cacheclip_rag.store import LMDBStore
 
 VARIANTS = {  # label -> (engine, request options besides the ratio)
@@ -32,8 +33,8 @@ VARIANTS = {  # label -> (engine, request options besides the ratio)
     "shared_prefix": ("float", dict(method="shared_prefix")),
     "ape": ("float", dict(method="ape")),
     "cacheblend": ("float", dict(method="cacheblend")),
-    "cacheclip": ("float", dict(method="cacheclip", requery=None)),  # the paper's aux selection
-    "cacheclip, int8 aux": ("int8", dict(method="cacheclip", requery=None)),
+    "cacheclip": ("float", dict(method="cacheclip", selection="aux")),  # the paper's aux selection
+    "cacheclip, int8 aux": ("int8", dict(method="cacheclip", selection="aux")),
     "cacheclip_requery": ("float", dict(method="cacheclip", requery=0.0)),  # the default selection since 2026-12-03
 }
 
@@ -65,7 +66,7 @@ def main() -> None:
             base = dict(ratio=args.ratio, max_new_tokens=1, answer_prefix=sample.answer_prefix)
             if i == 0:  # warm-up at this length
                 for which in ("float", "int8"):
-                    engines[which].generate(sample.question, chunks, RequestOptions(method="cacheclip", requery=None, **base))
+                    engines[which].generate(sample.question, chunks, RequestOptions(method="cacheclip", selection="aux", **base))
             full = None
             for label, (which, extra) in VARIANTS.items():
                 engine = engines[which]
@@ -80,10 +81,10 @@ def main() -> None:
                                    ("share", 1.0 if label == "full" else answer.recomputed_tokens / chunk_tokens),
                                    ("kl", first_token_kl(full.first_logits, answer.first_logits))):
                     row.setdefault(key, []).append(value)
-            options = RequestOptions(method="cacheclip", requery=None, **base)
+            options = RequestOptions(method="cacheclip", selection="aux", **base)
             plan = engines["float"].plan(sample.question, chunks, options)
-            fp32 = set(engines["float"].positions_of(plan, engines["float"].aux_selection(plan, options)).tolist())
-            int8 = set(engines["int8"].positions_of(plan, engines["int8"].aux_selection(plan, options)).tolist())
+            fp32 = set(aux_attention(engines["float"].parts, plan, options).positions(plan).tolist())
+            int8 = set(aux_attention(engines["int8"].parts, plan, options).positions(plan).tolist())
             overlaps[length].append(len(fp32 & int8) / max(1, len(fp32 | int8)))
         full_ttft = statistics.mean(stats["full"]["ttft"])
         for label, row in stats.items():

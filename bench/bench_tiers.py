@@ -149,8 +149,8 @@ def ingest_throughput(work: Path, server: RedisServer, count: int) -> dict[str, 
     lm = tiny_model("llama")
     out: dict[str, dict] = {}
     with LMDBStore(work / "inproc") as store:
-        precompute(lm, store, texts("warm", 2), "Be brief.", SHARED, progress=False)  # warm-up, prefix stored
-        times = [seconds(lambda n=n: precompute(lm, store, texts(f"n{n}", n), "Be brief.", SHARED, batch_size=4,
+        precompute(lm, store, texts("warm", 2), "Be brief.", variant=SHARED, progress=False)  # warm-up, prefix stored
+        times = [seconds(lambda n=n: precompute(lm, store, texts(f"n{n}", n), "Be brief.", variant=SHARED, batch_size=4,
                                                 progress=False)) for n in (count, 8 * count)]
         out["in-process"] = _rates(count, times)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -107,7 +107,8 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
     view.ingest(chunks, progress=False)
     base = dict(max_new_tokens=max(answer_tokens, decode_budget(view, sample)), answer_prefix=sample.answer_prefix,
                 prompt_stops=False)
-    plan, full = view.prefill(sample.question, chunks, RequestOptions(method="full", **base))
+    plan = view.plan(sample.question, chunks, RequestOptions(method="full", **base))
+    full = view.prefill(plan, RequestOptions(method="full", **base))
     full_cache = full.cache.copy()
     stream = view.decode(plan, full, RequestOptions(method="full", **base))
     for _ in stream:
@@ -118,7 +119,7 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
     kinds = layer_types(view.primary.model)
     sliding = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
     global_ = [i for i, k in enumerate(kinds) if k != "sliding_attention"]
-    _, shared = view.prefill(sample.question, chunks, RequestOptions(method="shared_prefix", **base))
+    shared = view.prefill(plan, RequestOptions(method="shared_prefix", **base))
     classes = row_classes(plan)
     chunk_rows = torch.arange(plan.chunk_offsets[1], plan.question_start) if len(plan.chunk_ids) > 1 else torch.zeros(0, dtype=torch.long)
     row = {"task": sample.task, "seed": sample.seed, "tokens": plan.length, "chunks": len(chunks),
@@ -137,7 +138,7 @@ def measure(engine: Engine, sample: ruler.Sample, answer_tokens: int) -> dict:
             if layers and classes[name].numel():
                 dev[f"shared_{name}_{kind}"] = deviation(shared.cache, full_cache, classes[name], layers)
     for ratio in (0.2, 0.5):
-        _, clip = view.prefill(sample.question, chunks, RequestOptions(method="cacheclip", ratio=ratio, requery=None, **base))
+        clip = view.prefill(plan, RequestOptions(method="cacheclip", ratio=ratio, selection="aux", **base))
         kl[f"cacheclip_{ratio}"] = mean_kl(reference, forced_logits(view, clip.cache, plan, answer))
         kl[f"cacheclip_{ratio}+repair_seams"] = mean_kl(
             reference, forced_logits(view, repaired(clip.cache, full_cache, classes["seams"], None), plan, answer))

@@ -74,7 +74,7 @@ step kernel_16k 60 python3 bench/bench_kernel.py --contexts 16384 --ratios 0.2 -
 step e2e_16k 170 python3 bench/bench_gpu_e2e.py --lengths 16384 --ratios 0.2 --repeats 3 --tiers device,host,lmdb \
     --aux gpu --json "$out/gpu_e2e_h200.json"
 step gpu_tests 90 python3 -m pytest -q -p no:cacheprovider -o addopts= -n 8 -m "gpu or not slow" \
-    tests/test_kernel.py tests/test_gpu.py tests/test_lean_store.py -k "cuda or gpu or bf16 or kernel or compile"
+    tests/test_kernel.py tests/test_gpu.py tests/test_store_defaults.py -k "cuda or gpu or bf16 or kernel or compile"
 step kernel_grid 60 python3 bench/bench_kernel.py --contexts 4096 8192 16384 --ratios 0.1 0.3 \
     --json "$out/kernel_grid_h200.json"
 step e2e_grid 100 python3 bench/bench_gpu_e2e.py --lengths 8192,4096 --ratios 0.1,0.2,0.3 --repeats 3 \

@@ -12,6 +12,11 @@ from collections.abc import Sequence
 import torch
 
 
+def beyond_text(offsets: Sequence[tuple[int, int]], text: str) -> torch.Tensor:
+    """Bool [T]: the tokens that start after `text` ends (a chunk's separator, stored with it)."""
+    return torch.tensor([start >= len(text) for start, _ in offsets], dtype=torch.bool)
+
+
 def tiled_spans(offsets: Sequence[tuple[int, int]], text_length: int) -> torch.Tensor:
     """[T, 2] spans [start, stop) that tile [first start, text_length) with at least one char each."""
     if not offsets:

@@ -1,12 +1,10 @@
 """The blocks every method is built from, over the engine's parts (`Parts`: its models, store, config and
 kernel): the blended cache (one prefix, each chunk's stored rows at its place in the prompt), the
-recompute of chosen rows with the question, the aux's selection (the paper's), and where rows sit.
-Methods (`methods`) and the query-driven selection (`requery`) use these; the engine (`engine`) holds
-the parts and runs the methods. Nothing here imports the engine."""
+recompute of chosen rows with the question, and where rows sit. The methods (`methods`) and the
+selectors (`selection`) use these; the engine (`engine`) holds the parts and runs the methods."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,18 +12,23 @@ from typing import Any
 
 import torch
 
-from .align import map_selection
 from .attention import SelectedRowsKernel
 from .cache import BlendedCache
 from .config import EngineConfig, RequestOptions
-from .group import grouped_to_budget
-from .ingest import DIRECT, SHARED, PrefixCache, chunk_unit, fetch_or_compute, load_into, new_cache, storage_dtype
+from .ingest import (
+    DIRECT,
+    SHARED,
+    PrefixCache,
+    fetch_or_compute,
+    load_into,
+    new_cache,
+    storage_dtype,
+)
 from .layerwise import LayerStream, load_layerwise
 from .models import LoadedModel, layer_types
 from .recompute import recompute
 from .request import Plan
 from .rope import rotate_keys_
-from .select import aux_scores, boundary_selection, question_tokens, top_k_candidates
 from .store import ChunkEntry, KVStore
 from .store.tiers import HostTier
 
@@ -66,8 +69,8 @@ def chunk_entries(parts: Parts, lm: LoadedModel, texts: Sequence[str], variant: 
                   bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
     """Stored entries for `texts` behind `system_prompt` (default the engine's; or a FormattedPrefix);
     a miss is computed, stored and used."""
-    return fetch_or_compute(lm, parts.store, texts, variant, system_prompt or parts.config.system_prompt,
-                            parts.config.ingest_batch_size, store_dtype(parts, lm), bare)
+    return fetch_or_compute(lm, parts.store, texts, variant=variant, system_prompt=system_prompt or parts.config.system_prompt,
+                            batch_size=parts.config.ingest_batch_size, store_dtype=store_dtype(parts, lm), bare=bare)
 
 
 def blended_cache(parts: Parts, plan: Plan, options: RequestOptions, shared: bool,
@@ -104,15 +107,16 @@ def blended_cache(parts: Parts, plan: Plan, options: RequestOptions, shared: boo
         cache.from_store[offset : offset + len(ids)] = read
     return cache
 
+
 def recompute_and_answer(parts: Parts, cache: BlendedCache, plan: Plan, positions: torch.Tensor,
                          options: RequestOptions | None = None) -> torch.Tensor:
     """Recompute the chunk rows at `positions` together with the text between chunks (a client's own
-    layout) and the question; next-token logits. `options.recompute_layers` (a diagnostic) writes the
+    layout) and the question; next-token logits. `recompute_layers` (a diagnostic) writes the
     recomputed chunk rows back only in that kind of layer."""
     positions = torch.cat([positions, plan.gap_positions()]).sort().values if plan.has_gaps else positions.sort().values
     positions = torch.cat([positions, plan.question_positions()])
     ids = torch.tensor(plan.all_ids())[positions]
-    which = options.recompute_layers if options is not None else "all"
+    which = options.diagnostics.recompute_layers if options is not None else "all"
     if which != "all":
         kinds = layer_types(parts.primary.model)
         if "sliding_attention" not in kinds or plan.has_gaps:
@@ -126,40 +130,6 @@ def recompute_and_answer(parts: Parts, cache: BlendedCache, plan: Plan, position
     finally:
         cache.stale_layers = frozenset()
 
-def aux_selection(parts: Parts, plan: Plan, options: RequestOptions) -> list[torch.Tensor]:
-    """Per chunk, the primary tokens CacheClip recomputes: aux scores -> grouped to the budget ->
-    mapped to the primary's tokens. Chunk 0 behind the shared prefix is exact already: it is not
-    scored (no aux pass) and never recomputed. Separator tokens are not chunk text: they rank last."""
-    aux = parts.aux
-    if aux is None:
-        raise ValueError("cacheclip's aux selection (requery=None or > 0) needs an aux model; set EngineConfig.aux, "
-                         "or use the default selection (requery=0), which needs none")
-    prefix, entries = chunk_entries(parts, aux, plan.texts, SHARED, plan.system_prompt, plan.bare or None)
-    question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
-    skip = 1 if options.shared_prefix else 0
-    forced, ratio = None, options.ratio
-    if options.boundary_tokens is not None and 0.0 < options.ratio < 1.0:
-        forced = boundary_selection(plan, options.boundary_tokens, skip, options.ratio)
-        total = sum(len(ids) for ids in plan.chunk_ids)
-        ratio = max(0.0, (math.ceil(options.ratio * total - 1e-9) - sum(int(f.sum()) for f in forced)) / total)
-    with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
-        scored = (aux_scores(aux, prefix, entries[skip:], question_ids, question_rows, model=parts.aux_scorer)
-                  if len(entries) > skip else [])
-    scores = [torch.full((entries[0].num_tokens,), float("-inf"))] * skip + scored
-    outside = [torch.tensor([start >= len(text) for start, _ in entry.offsets], dtype=torch.bool)
-               for entry, text in zip(entries, plan.texts)]
-    for score, out in zip(scores, outside):
-        # separators rank below every chunk token: chosen only once the budget has room for all text
-        # (their cached K/V lack cross-chunk attention too, so ratio 1 still recomputes them)
-        score[out & torch.isfinite(score)] = -1e30
-    if options.grouping:
-        chosen = grouped_to_budget(scores, ratio, parts.config.window, parts.config.threshold, options.exact_budget)
-    else:
-        chosen = top_k_candidates(scores, ratio)
-    bare = plan.bare or (False,) * len(plan.texts)
-    mapped = [map_selection(entry.offsets, c, spans, len(chunk_unit(aux, text, b)))
-              for text, b, entry, c, spans in zip(plan.texts, bare, entries, chosen, plan.char_spans)]
-    return mapped if forced is None else [m | f for m, f in zip(mapped, forced)]
 
 def positions_of(plan: Plan, selected: Sequence[torch.Tensor]) -> torch.Tensor:
     """The prompt positions of the rows `selected` (per chunk, bool)."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .embedded import cache_dir
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a precise assistant. Answer the question using only the documents below. "
@@ -22,9 +23,23 @@ METHODS = ("full", "direct", "shared_prefix", "ape", "cacheblend", "cacheclip", 
 # APE (Yang et al., ICLR 2025): attention temperature and scaling factor on the parallel-encoded chunks
 APE_TEMPERATURE = 0.9
 APE_SCALE = 0.9
-RECOMPUTE_LAYERS = ("all", "sliding", "global")  # RequestOptions.recompute_layers
-# cacheclip's default selection: the question's attention over the reused cache (`requery=0`); None is the paper's
-REQUERY_DEFAULT: float | None = 0.0
+RECOMPUTE_LAYERS = ("all", "sliding", "global")  # Diagnostics.recompute_layers
+# cacheclip's selectors (`RequestOptions.selection`): the question's attention over the reused cache (the
+# default: it kept 0.96 of full's RULER 2K answers on the default primary where the paper's kept 0.85,
+# bench/RESULTS.md), and the paper's aux-model attention. CacheBlend's deviation and the oracle are the
+# selectors of the methods of those names.
+SELECTIONS = ("question", "aux")
+DEFAULT_SELECTION = "question"
+
+
+CACHE_ENV = "CACHECLIP_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """The user cache (models converted once, the default store and index): $CACHECLIP_CACHE, else
+    ~/.cache/cacheclip_rag. The one place the library reads the environment: the CLI and `EngineConfig`'s
+    defaults call it, and pass the folder down."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "cacheclip_rag")
 
 
 def check_dtype(value: object, names: tuple[str, ...] = DTYPE_NAMES) -> None:
@@ -66,7 +81,7 @@ class EngineConfig:
 
     primary: str = "qwen2.5-coder-0.5b"
     aux: str | None = "smollm2-135m"
-    store_path: Path | str = field(default_factory=lambda: cache_dir() / "store")  # LMDB folder, or a redis URL
+    store_path: Path | str = None  # type: ignore[assignment]  # LMDB folder, or a redis URL (default: cache_dir / "store")
     shared_store: str | None = None  # a redis URL: a shared tier behind the local LMDB store at store_path
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     device: str = "cpu"
@@ -84,8 +99,11 @@ class EngineConfig:
     # "float8_e4m3fn" (one byte an element plus a float32 scale per channel; read back as float32)
     store_dtype: str = "auto"
     aux_quantization: str | None = None  # "int8": the aux's selection pass runs int8 dynamic-quantized linears (CPU)
+    cache_dir: Path | str = field(default_factory=default_cache_dir)  # embedded models converted once; the default store
 
     def __post_init__(self) -> None:
+        if self.store_path is None:
+            object.__setattr__(self, "store_path", Path(self.cache_dir) / "store")
         for name in ("window", "threshold", "ingest_batch_size", "device_cache_bytes", "host_cache_bytes"):
             _require_int(name, getattr(self, name))
         for name in ("primary", "system_prompt", "device", "aux_device"):
@@ -110,54 +128,66 @@ class EngineConfig:
         if not self.system_prompt.strip():
             raise ValueError("system_prompt (the shared prefix) must not be empty")
 
-    @classmethod
-    def embedded_default(cls, **overrides) -> EngineConfig:
-        """Qwen2.5-Coder-0.5B-Instruct primary with SmolLM2-135M aux: cross-family, different tokenizers."""
-        return cls(**overrides)
 
-    @classmethod
-    def gemma_base(cls, **overrides) -> EngineConfig:
-        """Gemma 3 270M (base) primary with SmolLM2-135M aux: the pair the RULER records were measured on."""
-        return cls(primary="gemma3-270m", **overrides)
+@dataclass(frozen=True)
+class Diagnostics:
+    """Settings for experiments and measurement, not for users: ablations of the method as shipped, and how
+    stage times are taken. The defaults are the method as shipped."""
 
-    @classmethod
-    def smollm2_only(cls, **overrides) -> EngineConfig:
-        """SmolLM2-135M as primary and as its own aux (one tokenizer, fastest on a CPU)."""
-        return cls(primary="smollm2-135m", aux="smollm2-135m", **overrides)
+    grouping: bool = True  # sliding-window grouping of the selected rows (False: plain top-k)
+    shared_prefix: bool = True  # chunks computed behind the shared prefix (False: each alone)
+    exact_budget: bool = True  # ratio = share of chunk tokens recomputed; False: the paper's nominal top-k
+    # selection "aux": None, the paper's selection (separators rank last); k >= 0: each scored chunk's seam (its
+    # separator tokens) and its first k tokens are recomputed first, out of the same budget (EPIC's observation)
+    boundary_tokens: int | None = None
+    # the layers whose recomputed chunk rows are written back ("sliding": the sliding-window layers only,
+    # "global": the full-attention layers only); elsewhere the stored rows stay as loaded
+    recompute_layers: str = "all"
+    sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
+
+    def __post_init__(self) -> None:
+        for name in ("grouping", "shared_prefix", "exact_budget", "sync_timings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.boundary_tokens is not None:
+            _require_int("boundary_tokens", self.boundary_tokens)
+            if self.boundary_tokens < 0:
+                raise ValueError(f"boundary_tokens must be >= 0 (or None), got {self.boundary_tokens}")
+        if self.recompute_layers not in RECOMPUTE_LAYERS:
+            raise ValueError(f"recompute_layers must be one of {', '.join(RECOMPUTE_LAYERS)}, got {self.recompute_layers!r}")
+
+
+DIAGNOSTICS = Diagnostics()
 
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """What one request asks for: method, recompute ratio, decoding."""
+    """What one request asks for: method, recompute ratio, selection, decoding."""
 
     method: str = "cacheclip"
     ratio: float = 0.2
+    # cacheclip's selector (SELECTIONS): "question", the question's own attention over the reused cache, or
+    # "aux", the paper's aux-model attention. With "question", `aux_share` p in [0, 1) first spends p of the
+    # budget by the aux's pick, recomputed before the question looks (ProphetKV's two stages; p of the budget
+    # runs twice)
+    selection: str = DEFAULT_SELECTION
+    aux_share: float = 0.0
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     answer_prefix: str = ""
-    grouping: bool = True
-    shared_prefix: bool = True
     prompt_stops: bool = True  # end at the prompt format's stop strings (False: only `stop` and the budget)
-    exact_budget: bool = True  # ratio = share of chunk tokens recomputed; False: the paper's nominal top-k
-    sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
     system_prompt: str | None = None  # this request's shared prefix (default the engine's); chunks are cached behind each
     ape_temperature: float = APE_TEMPERATURE  # method "ape": chunk logits are divided by it (< 1 sharpens)
     ape_scale: float = APE_SCALE  # method "ape": the chunks' share of attention is raised to scale x temperature
-    # cacheclip: None, the paper's selection (separators rank last); k >= 0: each scored chunk's seam (its
-    # separator tokens) and its first k tokens are recomputed first, out of the same budget (EPIC's observation)
-    boundary_tokens: int | None = None
-    # diagnostic: the layers whose recomputed chunk rows are written back ("sliding": the sliding-window
-    # layers only, "global": the full-attention layers only); elsewhere the stored rows stay as loaded
-    recompute_layers: str = "all"
-    # cacheclip's selection. p in [0, 1): query-driven (ProphetKV's idea, `requery`): the aux picks p of the
-    # budget, which is recomputed; the question's attention over that partly corrected cache picks the rest;
-    # the union is recomputed in one pass (p of the budget twice). The default 0 is the question's attention
-    # over the reused cache alone: it keeps 0.96 of full's RULER 2K answers on the default primary where the
-    # paper's keeps 0.85 (bench/RESULTS.md). None: the paper's one-stage aux selection (for reproduction).
-    requery: float | None = REQUERY_DEFAULT
+    diagnostics: Diagnostics = DIAGNOSTICS  # ablations and timing (experiments only)
+
+    @property
+    def requery(self) -> float | None:
+        """The old spelling of the selection (deprecated): the aux's share with "question", None with "aux"."""
+        return self.aux_share if self.selection == "question" else None
 
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens)
@@ -189,19 +219,43 @@ class RequestOptions:
         for name in ("ape_temperature", "ape_scale"):
             if not 0.0 < getattr(self, name) <= 4.0:
                 raise ValueError(f"{name} must be in (0, 4], got {getattr(self, name)}")
-        if self.boundary_tokens is not None:
-            _require_int("boundary_tokens", self.boundary_tokens)
-            if self.boundary_tokens < 0:
-                raise ValueError(f"boundary_tokens must be >= 0 (or None), got {self.boundary_tokens}")
-        if self.requery is not None:
-            if isinstance(self.requery, bool) or not isinstance(self.requery, (int, float)) \
-                    or not 0.0 <= self.requery < 1.0:
-                raise ValueError(f"requery (the aux's share of the budget) must be a number in [0, 1) or None, "
-                                 f"got {self.requery!r}")
-            if self.boundary_tokens is not None:
-                raise ValueError("boundary_tokens is an option of the paper's aux selection: set requery=None with it "
-                                 "(the default selection, requery=0, spends the whole budget by the question's attention)")
-        if self.recompute_layers not in RECOMPUTE_LAYERS:
-            raise ValueError(f"recompute_layers must be one of {', '.join(RECOMPUTE_LAYERS)}, got {self.recompute_layers!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if isinstance(self.aux_share, bool) or not isinstance(self.aux_share, (int, float)) \
+                or not 0.0 <= self.aux_share < 1.0:
+            raise ValueError(f"aux_share (requery: the aux's share of the budget) must be a number in [0, 1), "
+                             f"got {self.aux_share!r}")
+        if self.aux_share and self.selection != "question":
+            raise ValueError("aux_share is the aux's first stage of selection='question'")
+        if not isinstance(self.diagnostics, Diagnostics):
+            raise TypeError(f"diagnostics must be a Diagnostics, got {type(self.diagnostics).__name__}")
+        if self.diagnostics.boundary_tokens is not None and self.selection != "aux":
+            raise ValueError("boundary_tokens is an option of the paper's aux selection: set selection='aux' "
+                             "(requery=None) with it (the default selection spends the whole budget by the "
+                             "question's attention)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+_UNSET = object()
+_dataclass_init = RequestOptions.__init__
+
+
+def _init_with_requery(self: RequestOptions, *args, requery: object = _UNSET, **kwargs) -> None:
+    """`RequestOptions(requery=p)`, the old spelling of the selection (deprecated, kept for one release):
+    None is selection="aux", a number p is selection="question" with aux_share=p."""
+    if requery is not _UNSET:
+        warnings.warn("RequestOptions(requery=...) is deprecated: use selection='question' (aux_share=p) or "
+                      "selection='aux'", DeprecationWarning, stacklevel=2)
+        if "selection" in kwargs or "aux_share" in kwargs:
+            raise ValueError("give requery or selection/aux_share, not both")
+        if requery is None:
+            kwargs["selection"] = "aux"
+        elif isinstance(requery, bool) or not isinstance(requery, (int, float)) or not 0.0 <= requery < 1.0:
+            raise ValueError(f"requery (the aux's share of the budget) must be a number in [0, 1) or None, got {requery!r}")
+        else:
+            kwargs["aux_share"] = float(requery)
+    _dataclass_init(self, *args, **kwargs)
+
+
+RequestOptions.__init__ = _init_with_requery  # type: ignore[method-assign]

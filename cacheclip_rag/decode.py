@@ -35,7 +35,7 @@ class TokenDecoder(Iterator[int]):
     run several requests' next forwards as one batch (`batching.forward_rows`).
     """
 
-    def __init__(self, lm: LoadedModel, cache: BlendedCache, first_logits: torch.Tensor, position: int,
+    def __init__(self, lm: LoadedModel, cache: BlendedCache, first_logits: torch.Tensor, position: int, *,
                  max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                  rope_shift: int = 0, chunk_scaling: ChunkScaling | None = None):
         self.lm, self.cache, self.position, self.max_new_tokens = lm, cache, position, max_new_tokens

@@ -40,7 +40,7 @@ class IngestWorker:
         return [chunk_key(self.lm, prefix.token_ids, t, self.variant) for t in texts]
 
     def compute(self, texts: list[str]) -> int:
-        precompute(self.lm, self.store, texts, self.system_prompt, self.variant, batch_size=len(texts), progress=False,
+        precompute(self.lm, self.store, texts, self.system_prompt, variant=self.variant, batch_size=len(texts), progress=False,
                    store_dtype=self.store_dtype)
         return len(texts)
 

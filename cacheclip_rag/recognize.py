@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .store.namespaced import SHARED, split_marked
+
 ANCHOR = 48  # characters: long enough to be rare in other text, short enough for small chunks
 SHORT_ANCHOR = 16  # the anchor of a chunk shorter than ANCHOR
 MIN_CHUNK = 16  # shorter texts are not recognised: they would match in too many prompts
@@ -254,36 +256,55 @@ def layout(prompt: str, matches: Sequence[Match], question: str) -> Layout:
                   question=question)
 
 
-def _shared(texts: list[str]) -> list[str]:
-    """The texts of the store's own (shared) namespace: a server's tenants' texts are marked and stay theirs."""
-    from .store.namespaced import SHARED, split_marked
-
-    return [text for namespace, text in map(split_marked, texts) if namespace == SHARED]
-
-
-class StoreIndex(ChunkIndex):
-    """A `ChunkIndex` kept in step with a store's ingested texts: read incrementally (`texts_since`), at
-    most every `refresh_s`, so texts another process ingested (a replica, `cacheclip ingest`) are found."""
+class StoreIndex:
+    """The one recogniser of stored chunks in prompts, for the engine and the server: the store's remembered
+    texts, one `ChunkIndex` per namespace (a tenant's, or the shared corpus), read incrementally
+    (`texts_since`) at most every `refresh_s`, so texts another process ingested (a replica, `cacheclip
+    ingest`) are found."""
 
     def __init__(self, store, refresh_s: float = 2.0):
-        texts, self._cursor = store.texts_since(0)
-        super().__init__(_shared(texts))
         self._store, self.refresh_s = store, refresh_s
-        self._checked = time.monotonic()
-        self._refreshing = threading.Lock()
+        self._indexes: dict[str, ChunkIndex] = {}
+        self._cursor, self._checked = 0, 0.0
+        self._lock, self._refreshing = threading.Lock(), threading.Lock()
+        self.refresh(force=True)
+
+    def __len__(self) -> int:
+        return sum(len(i) for i in list(self._indexes.values()))
+
+    def of(self, namespace: str) -> ChunkIndex:
+        with self._lock:
+            if namespace not in self._indexes:
+                self._indexes[namespace] = ChunkIndex()
+            return self._indexes[namespace]
+
+    def add(self, namespace: str, texts: list[str]) -> int:
+        return self.of(namespace).add(texts)
 
     def refresh(self, force: bool = False) -> None:
+        """Read what the store remembered since the last read (another refresh under way: skipped, unless
+        `force`, which waits for it)."""
         if not force and time.monotonic() - self._checked < self.refresh_s:
             return
         if not self._refreshing.acquire(blocking=force):
             return
         try:
             texts, self._cursor = self._store.texts_since(self._cursor)
-            self.add(_shared(texts))
+            grouped: dict[str, list[str]] = {}
+            for namespace, text in map(split_marked, texts):
+                grouped.setdefault(namespace, []).append(text)
+            for namespace, group in grouped.items():
+                self.add(namespace, group)
             self._checked = time.monotonic()
         finally:
             self._refreshing.release()
 
-    def find(self, prompt: str) -> list[Match]:
+    def find(self, prompt: str, namespaces: Sequence[str] = (SHARED,)) -> list[Match]:
+        """The chunks of `namespaces` found in `prompt` (leftmost first, the longest at a position)."""
         self.refresh()
-        return super().find(prompt)
+        candidates = []
+        for namespace in dict.fromkeys(namespaces):
+            index = self._indexes.get(namespace)
+            if index is not None and len(index):
+                candidates += index.candidates(prompt)
+        return select_matches(prompt, candidates)

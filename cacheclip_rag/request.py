@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .align import beyond_text
 from .attention import ChunkScaling
 from .cache import BlendedCache
 
@@ -61,7 +62,7 @@ class Plan:
         """Chunk c's separator tokens (bool [n_c]): those after its text; none for a chunk stored bare."""
         if self.bare and self.bare[c]:
             return torch.zeros(len(self.chunk_ids[c]), dtype=torch.bool)
-        return torch.tensor([start >= len(self.texts[c]) for start, _ in self.char_spans[c]], dtype=torch.bool)
+        return beyond_text(self.char_spans[c], self.texts[c])
 
     def chunk_rows(self) -> list[tuple[int, int]]:
         """Each chunk's rows [start, stop) relative to the first chunk row (the prefix's end)."""

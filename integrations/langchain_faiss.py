@@ -88,9 +88,7 @@ class CacheClipFAISS(VectorStore):
         if taken:
             raise ValueError(f"ids already in the store or repeated: {taken[:5]}")
         # checked: only now the caches are computed, stored and owned by these ids
-        keys = self.kv_engine.ingest(texts, progress=len(texts) > 8)
-        for owner, text in zip(ids, texts):
-            self.kv_engine.retain(owner, text)
+        keys = self.kv_engine.ingest(texts, progress=len(texts) > 8, owners=ids)
         if self.index is None:
             self.index = faiss.IndexIDMap2(faiss.IndexFlatL2(vectors.shape[1]))
         first = max(self._rows, default=-1) + 1

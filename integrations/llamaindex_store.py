@@ -41,10 +41,12 @@ def attach_kv(engine: Engine, nodes: Sequence[BaseNode]) -> list[str]:
     register the node as a user of its caches (its document as the group), so deleting the document
     frees what no other node uses."""
     texts = kv_texts(nodes)
-    keys = [k.hex() for k in engine.ingest(texts, progress=len(nodes) > 8)] if nodes else []
-    for node, key, text in zip(nodes, keys, texts):
+    if not nodes:
+        return []
+    keys = [k.hex() for k in engine.ingest(texts, progress=len(nodes) > 8, owners=[n.node_id for n in nodes],
+                                           groups=[n.ref_doc_id for n in nodes])]
+    for node, key in zip(nodes, keys):
         node.metadata[KV_KEY] = key
-        engine.retain(node.node_id, text, group=node.ref_doc_id)
     return keys
 
 

@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 
-from cacheclip_rag.config import EngineConfig, RequestOptions
+from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.store import LMDBStore
 from cacheclip_rag.testing import ARCHITECTURES, tiny_model
@@ -49,9 +49,20 @@ def make_engine(tmp_path):
     return make
 
 
+def options_of(method="cacheclip", ratio=0.2, requery="default", **kw) -> RequestOptions:
+    """RequestOptions from flat keywords: Diagnostics' fields go into `diagnostics`; `requery` is the selection
+    in one value (None: selection "aux"; p: "question" with aux_share p; not given: the default)."""
+    ablations = {k: kw.pop(k) for k in [k for k in kw if k in Diagnostics.__dataclass_fields__]}
+    selection = ({} if requery == "default" else dict(selection="aux") if requery is None
+                 else dict(selection="question", aux_share=requery))
+    return RequestOptions(method=method, ratio=ratio, **selection, diagnostics=Diagnostics(**ablations), **kw)
+
+
 def prefill(engine, method="cacheclip", ratio=0.2, **kw):
     """A method's prefill of QUESTION over CHUNKS: (plan, prefill)."""
-    return engine.prefill(QUESTION, CHUNKS, RequestOptions(method=method, ratio=ratio, max_new_tokens=1, **kw))
+    options = options_of(method, ratio, max_new_tokens=1, **kw)
+    plan = engine.plan(QUESTION, CHUNKS, options)
+    return plan, engine.prefill(plan, options)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

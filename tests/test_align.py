@@ -58,10 +58,11 @@ def test_nothing_selected_maps_to_nothing_and_all_to_all():
 def test_cover_between_real_smollm2_and_gemma3_tokenizers(text):
     from transformers import AutoTokenizer
 
-    from cacheclip_rag.models import convert_gguf, embedded_gguf
+    from cacheclip_rag.models import convert_gguf, default_cache_dir, embedded_gguf
 
-    smol = AutoTokenizer.from_pretrained(convert_gguf(embedded_gguf("smollm2-135m")))
-    gemma = AutoTokenizer.from_pretrained(convert_gguf(embedded_gguf("gemma3-270m")))
+    cache = default_cache_dir()
+    smol = AutoTokenizer.from_pretrained(convert_gguf(embedded_gguf("smollm2-135m", cache), cache))
+    gemma = AutoTokenizer.from_pretrained(convert_gguf(embedded_gguf("gemma3-270m", cache), cache))
     _, os_ = encode(smol, text)
     _, og = encode(gemma, text)
     assert os_ != og  # really different tokenizations

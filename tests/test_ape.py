@@ -123,7 +123,8 @@ def test_teacher_forced_logits_follow_the_decode(tiny, make_engine, method):
     engine = make_engine(tiny)
     options = RequestOptions(method=method, max_new_tokens=5, prompt_stops=False)
     answer = engine.generate(QUESTION, CHUNKS, options)
-    plan, prefill = engine.prefill(QUESTION, CHUNKS, options)
+    plan = engine.plan(QUESTION, CHUNKS, options)
+    prefill = engine.prefill(plan, options)
     forced = engine.teacher_forced_logits(plan, prefill, answer.token_ids)
     assert forced.shape[0] == len(answer.token_ids)
     assert [int(t) for t in forced.argmax(-1)] == answer.token_ids
@@ -140,8 +141,11 @@ def test_teacher_forced_logits_at_ratio_one_equal_full(tiny, make_engine):
     full_options = RequestOptions(method="full", max_new_tokens=4, prompt_stops=False)
     full = engine.generate(QUESTION, CHUNKS, full_options)
     tokens = full.token_ids
-    plan, prefill = engine.prefill(QUESTION, CHUNKS, full_options)
+    plan = engine.plan(QUESTION, CHUNKS, full_options)
+    prefill = engine.prefill(plan, full_options)
     reference = engine.teacher_forced_logits(plan, prefill, tokens)
-    plan, prefill = engine.prefill(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=1.0, max_new_tokens=4))
+    clip = RequestOptions(method="cacheclip", ratio=1.0, max_new_tokens=4)
+    plan = engine.plan(QUESTION, CHUNKS, clip)
+    prefill = engine.prefill(plan, clip)
     assert max_diff(engine.teacher_forced_logits(plan, prefill, tokens), reference) < TOL
     assert isinstance(prefill.cache, BlendedCache)

@@ -128,7 +128,7 @@ def test_batched_greedy_decoding_gives_each_request_its_own_tokens(arch):
         made = []
         for i, (length, budget) in enumerate(zip(lengths, budgets)):
             cache, logits = prefilled(lm, length, length + budget, 10 + i)
-            made.append(TokenDecoder(lm, cache, logits, length, budget))
+            made.append(TokenDecoder(lm, cache, logits, length, max_new_tokens=budget))
         return made
 
     alone, together = drive(decoders(), batched=False), drive(decoders(), batched=True)
@@ -139,7 +139,7 @@ def test_batched_greedy_decoding_gives_each_request_its_own_tokens(arch):
 def test_a_decoder_takes_provided_logits_once_and_only_when_a_forward_is_pending():
     lm = tiny_model("llama")
     cache, logits = prefilled(lm, 6, 10, 3)
-    decoder = TokenDecoder(lm, cache, logits, 6, 4)
+    decoder = TokenDecoder(lm, cache, logits, 6, max_new_tokens=4)
     assert decoder.pending() is None  # the first token's logits came with the prefill
     with pytest.raises(RuntimeError, match="no forward is pending"):
         decoder.provide(logits)

@@ -6,10 +6,9 @@ shared-prefix reuse; in between they do exactly what they say, row by row."""
 import pytest
 import torch
 
-from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.select import boundary_selection
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import max_diff, prefill
+from tests.conftest import max_diff, options_of, prefill
 
 TOL = 1e-4
 
@@ -17,7 +16,7 @@ TOL = 1e-4
 @pytest.mark.parametrize("option", [{"boundary_tokens": 0, "requery": None}, {"boundary_tokens": 3, "requery": None},
                                     {"requery": None}, {"requery": 0.0}, {"requery": 0.5}])
 def test_the_selection_options_keep_both_exact_ends(tiny, make_engine, option):
-    """the paper's selection, boundary_tokens and requery (tests/test_requery.py): ratio 1 is full attention, ratio 0 is shared-prefix
+    """the paper's selection, boundary_tokens and requery (tests/test_question_selection.py): ratio 1 is full attention, ratio 0 is shared-prefix
     reuse with nothing recomputed (and nothing run twice)."""
     engine = make_engine(tiny)
     full, shared = prefill(engine, "full")[1].logits, prefill(engine, "shared_prefix")[1].logits
@@ -96,4 +95,4 @@ def test_recompute_layers_refuses_a_model_without_sliding_layers(make_engine):
                                        ({"recompute_layers": "local"}, "recompute_layers")])
 def test_bad_options_are_refused(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        RequestOptions(**kw)
+        options_of(**kw)

@@ -132,12 +132,12 @@ def test_every_evaluation_profile_can_be_named_on_the_command_line():
 def test_selection_picks_cacheclips_rows_and_defaults_to_the_librarys_choice():
     """--selection question|aux on demo, query and serve: question is the library's default (requery 0),
     aux the paper's selection (requery None)."""
-    from cacheclip_rag.cli.args import parser, requery_of
+    from cacheclip_rag.cli.args import parser
     from cacheclip_rag.config import RequestOptions
 
     for command in (["demo"], ["query", "q?"], ["serve"]):
-        assert requery_of(parser().parse_args(command)) == RequestOptions().requery == 0.0
-        assert requery_of(parser().parse_args([*command, "--selection", "aux"])) is None
+        assert parser().parse_args(command).selection == RequestOptions().selection == "question"
+        assert parser().parse_args([*command, "--selection", "aux"]).selection == "aux"
 
 
 def test_the_demo_summary_counts_right_answers_and_compares_medians_with_full():

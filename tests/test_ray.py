@@ -64,7 +64,7 @@ def test_ray_ingest_equals_local_ingest_survives_a_killed_actor_and_reruns_nothi
         lm = tiny_model("llama")
         with LMDBStore(tmp_path / "local") as local:
             # the workers store in the default storage dtype ("auto": float16 on the CPU): so does the reference
-            local_keys = precompute(lm, local, TEXTS, "Be brief.", SHARED, progress=False,
+            local_keys = precompute(lm, local, TEXTS, "Be brief.", variant=SHARED, progress=False,
                                     store_dtype=storage_dtype("auto", lm))
             assert local_keys == keys
             expected = fetch(lm, local, keys)

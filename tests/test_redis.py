@@ -152,7 +152,7 @@ def test_a_remote_hit_fills_the_local_tier_in_the_stored_dtype(redis_server, tmp
 def _ingest_in_another_process(url: str, out: str) -> None:
     code = ("import sys; from cacheclip_rag.store.redis_store import RedisStore; from cacheclip_rag.ingest import SHARED, "
             "precompute; from cacheclip_rag.testing import tiny_model\n"
-            f"precompute(tiny_model('llama'), RedisStore({url!r}), {CHUNKS!r}, 'Be brief.', SHARED, progress=False)\n"
+            f"precompute(tiny_model('llama'), RedisStore({url!r}), {CHUNKS!r}, 'Be brief.', variant=SHARED, progress=False)\n"
             f"open({out!r}, 'w').write('done')\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
 
@@ -164,7 +164,7 @@ def test_two_processes_share_one_redis_and_the_second_computes_nothing(redis_ser
     hook = lm.model.register_forward_pre_hook(lambda *a: calls.append(1))
     store = TieredStore(LMDBStore(tmp_path / "local"), RedisStore(redis_server.unix_url))
     try:
-        precompute(lm, store, CHUNKS, "Be brief.", SHARED, progress=False)
+        precompute(lm, store, CHUNKS, "Be brief.", variant=SHARED, progress=False)
         assert calls == []  # prefix and chunks all came from the other process's work
         assert store.remote_hits == 1  # the prefix, read through into the local tier
         assert store.local.stats()["entries"] == 1

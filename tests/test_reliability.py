@@ -89,7 +89,7 @@ def test_ingest_killed_midway_resumes_without_recomputing(tmp_path):
         hook = lm.model.register_forward_pre_hook(lambda *a: calls.append(1))
         texts = [f"chunk {i}: " + "the quick brown fox jumps over the lazy dog " * 8 for i in range(n)]
         try:
-            keys = precompute(lm, store, texts, "Be brief.", SHARED, batch_size=1, progress=False)
+            keys = precompute(lm, store, texts, "Be brief.", variant=SHARED, batch_size=1, progress=False)
         finally:
             hook.remove()
         assert len(calls) == n - stored  # one forward per chunk that was not committed
@@ -284,7 +284,7 @@ def test_chunk_texts_never_leave_the_store_directory(tmp_path_factory, texts):
     lm = tiny_model("llama")
     with LMDBStore(path) as store:
         try:
-            precompute(lm, store, texts, "Be brief.", SHARED, progress=False)
+            precompute(lm, store, texts, "Be brief.", variant=SHARED, progress=False)
         except ValueError:
             assert any(not t.strip() for t in texts)  # only empty chunks are refused
     assert sorted(p.name for p in path.iterdir()) == ["cacheclip.lock", "data.mdb", "lock.mdb"]

@@ -3,9 +3,11 @@ import copy
 
 import torch
 
+from cacheclip_rag.blend import chunk_entries
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.ingest import SHARED, chunk_unit
 from cacheclip_rag.select import aux_scores, top_k_candidates
+from cacheclip_rag.selection import aux_attention
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff
 
@@ -23,7 +25,7 @@ def test_batched_stored_kv_scores_equal_plain_full_attention_forward(tiny, make_
     attention of a plain eager forward of prefix + chunk_i + question with output_attentions."""
     engine = make_engine(tiny)
     aux = engine.aux
-    prefix, entries = engine.entries(aux, CHUNKS, SHARED)
+    prefix, entries = chunk_entries(engine.parts, aux, CHUNKS, SHARED)
     question_ids = aux.encode(aux.prompt.question(QUESTION))
     scores = aux_scores(aux, prefix, entries, question_ids)
 
@@ -67,7 +69,7 @@ def test_cacheclip_never_recomputes_chunk_zero_and_meets_the_budget(make_engine)
     eligible = chunk_tokens - len(plan.chunk_ids[0])
     for ratio in (0.1, 0.3, 0.6, 1.0):
         options = RequestOptions(method="cacheclip", ratio=ratio, max_new_tokens=1)
-        selected = engine.aux_selection(plan, options)
+        selected = aux_attention(engine.parts, plan, options).rows
         assert not selected[0].any()  # exact behind the shared prefix
         chosen = sum(int(m.sum()) for m in selected)
         assert chosen >= min(math.ceil(ratio * chunk_tokens), eligible)  # the budget is met, not nominal
@@ -82,7 +84,7 @@ def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make
 
     engine = make_engine(tiny_model("qwen2"))
     aux = engine.aux
-    prefix, entries = engine.entries(aux, CHUNKS, SHARED)
+    prefix, entries = chunk_entries(engine.parts, aux, CHUNKS, SHARED)
     ids, own = question_tokens(aux, QUESTION, " The special magic number is")
     run_rows, real = [], select.forward_at
 
@@ -119,13 +121,13 @@ def test_int8_aux_selects_nearly_what_the_float_aux_selects(make_engine):
     assert not any(isinstance(m, DynamicInt8Linear) for m in lm.model.modules())  # the aux itself stays float
     options = RequestOptions(method="cacheclip", ratio=0.3)
     plan = engine.plan(QUESTION, CHUNKS, options)
-    fp32 = set(engine.positions_of(plan, engine.aux_selection(plan, options)).tolist())
-    int8 = set(quantized.positions_of(plan, quantized.aux_selection(plan, options)).tolist())
+    fp32 = set(aux_attention(engine.parts, plan, options).positions(plan).tolist())
+    int8 = set(aux_attention(quantized.parts, plan, options).positions(plan).tolist())
     assert len(fp32 & int8) / len(fp32 | int8) > 0.6
     # selection is all it changes: at ratio 1 the int8-selected answer is full attention's
     full = engine.generate(QUESTION, CHUNKS, RequestOptions(method="full", max_new_tokens=1)).first_logits
     one = quantized.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=1.0, max_new_tokens=1,
-                                                              requery=None)).first_logits
+                                                              selection="aux")).first_logits
     assert max_diff(one, full) < 1e-4
 
 
@@ -147,9 +149,9 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
     lm = tiny_model("llama")
     engine = make_engine(lm)  # aux = primary
     events, writes = [], []
-    from cacheclip_rag import blend
+    from cacheclip_rag import blend, methods
 
-    load, select, put_many = blend.blended_cache, blend.aux_selection, engine.store.put_many
+    load, select, put_many = blend.blended_cache, methods.aux_attention, engine.store.put_many
 
     def loading(*args, **kwargs):
         cache = load(*args, **kwargs)
@@ -166,13 +168,13 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
         return put_many(items, *args, **kwargs)
 
     monkeypatch.setattr(blend, "blended_cache", loading)  # the blocks every method calls
-    monkeypatch.setattr(blend, "aux_selection", selecting)
+    monkeypatch.setattr(methods, "aux_attention", selecting)
     engine.store.put_many = storing
     answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
-                                                                requery=None))
+                                                                selection="aux"))
     assert events == ["loaded", "selecting"]
     assert len(writes) == len(set(writes)) > 0  # every missing entry (and the prefix) written once
     assert answer.reused_tokens == 0
     again = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
-                                                                requery=None))
+                                                                selection="aux"))
     assert again.reused_tokens > 0 and len(writes) == len(set(writes))

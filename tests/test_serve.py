@@ -24,7 +24,8 @@ from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.recognize import ChunkIndex, Match, layout  # noqa: E402
 from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402
-from cacheclip_rag.serve.layouts import render_chat  # noqa: E402
+from cacheclip_rag.planning import plan_layout  # noqa: E402
+from cacheclip_rag.serve.layouts import render_chat, stream_plan  # noqa: E402
 from cacheclip_rag.serve.worker import Job  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
@@ -93,8 +94,8 @@ def in_process(engine: Engine, prompt: str, chunks: list[str], options: RequestO
         start = prompt.index(chunk, at)
         matches.append(Match(start, start + len(chunk)))
         at = start + len(chunk)
-    plan = engine.plan_layout(layout(prompt, matches, QUESTION), options)
-    stream = engine.stream_plan(plan, options)
+    plan = plan_layout(engine.primary, layout(prompt, matches, QUESTION), options)
+    stream = stream_plan(engine, plan, options)
     return "".join(stream)
 
 
@@ -122,9 +123,9 @@ def test_a_layout_of_the_engines_own_prompt_gives_the_engines_own_answer(engine)
     assert found.chunks == tuple(CHUNKS) and found.text == prompt
     for method in ("full", "shared_prefix", "cacheclip", "cacheblend", "oracle"):
         options = RequestOptions(method=method, ratio=0.3, max_new_tokens=4)
-        own, laid = engine.plan(QUESTION, CHUNKS, options), engine.plan_layout(found, options)
+        own, laid = engine.plan(QUESTION, CHUNKS, options), plan_layout(engine.primary, found, options)
         assert laid.all_ids() == own.all_ids() and not laid.has_gaps
-        a, b = engine.generate(QUESTION, CHUNKS, options), engine.stream_plan(laid, options)
+        a, b = engine.generate(QUESTION, CHUNKS, options), stream_plan(engine, laid, options)
         text = "".join(b)
         assert text == a.text and (b.answer.first_logits - a.first_logits).abs().max() < 1e-5
 
@@ -134,18 +135,18 @@ def test_text_between_chunks_is_computed_and_ratio_one_is_full_prefill_of_the_la
     prompt = ("Notes first. " + CHUNKS[0] + " -- and then -- " + CHUNKS[2] + "\nQuestion: " + QUESTION + "\nAnswer:")
     found = layout(prompt, ChunkIndex(CHUNKS).find(prompt), QUESTION)
     assert len(found.chunks) == 2
-    full = engine.plan_layout(found, RequestOptions(method="full", max_new_tokens=3))
+    full = plan_layout(engine.primary, found, RequestOptions(method="full", max_new_tokens=3))
     assert full.has_gaps and full.bare == (True, True)  # not followed by the separator: stored alone
-    reference = engine.stream_plan(full, RequestOptions(method="full", max_new_tokens=3))
+    reference = stream_plan(engine, full, RequestOptions(method="full", max_new_tokens=3))
     "".join(reference)
     for method, ratio in (("cacheclip", 1.0), ("cacheblend", 1.0)):
         options = RequestOptions(method=method, ratio=ratio, max_new_tokens=3)
-        got = engine.stream_plan(engine.plan_layout(found, options), options)
+        got = stream_plan(engine, plan_layout(engine.primary, found, options), options)
         "".join(got)
         assert got.answer.token_ids == reference.answer.token_ids
         assert (got.answer.first_logits - reference.answer.first_logits).abs().max() < 1e-4
     with pytest.raises(ValueError, match="ape"):
-        engine.stream_plan(engine.plan_layout(found, RequestOptions(method="ape")), RequestOptions(method="ape"))
+        stream_plan(engine, plan_layout(engine.primary, found, RequestOptions(method="ape")), RequestOptions(method="ape"))
 
 
 # ---- the official client ------------------------------------------------------------------------
@@ -180,6 +181,15 @@ def test_a_request_picks_the_selection_and_usage_says_which(live, engine):
             model="cacheclip", messages=messages, max_tokens=6,
             extra_body={"cacheclip": {"method": "cacheclip", "ratio": 0.3, **chosen}})
         assert reply.usage.model_dump()["cacheclip"]["requery"] == chosen.get("requery", 0.0)
+        options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=6, **chosen)
+        assert reply.choices[0].message.content == in_process(engine, prompt, CHUNKS[1:], options)
+    # requery is the old spelling (deprecated) of selection and aux_share
+    for chosen, requery in (({"selection": "aux"}, None), ({"selection": "question", "aux_share": 0.5}, 0.5)):
+        reply = client(url).chat.completions.create(
+            model="cacheclip", messages=messages, max_tokens=6,
+            extra_body={"cacheclip": {"method": "cacheclip", "ratio": 0.3, **chosen}})
+        usage = reply.usage.model_dump()["cacheclip"]
+        assert usage["selection"] == chosen["selection"] and usage["requery"] == requery
         options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=6, **chosen)
         assert reply.choices[0].message.content == in_process(engine, prompt, CHUNKS[1:], options)
 

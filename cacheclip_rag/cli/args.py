@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import DTYPE_NAMES, METHODS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
+from ..config import DEFAULT_SELECTION, DTYPE_NAMES, METHODS, SELECTIONS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
 from ..sources import ModelSourceError, check_model_source
 
 DESCRIPTION = ("cacheclip-rag: fast RAG answers from precomputed chunk caches. Arguments are checked before anything "
@@ -23,9 +23,9 @@ def fail(message: str) -> None:
 
 
 def index_dir(args: argparse.Namespace) -> Path:
-    from ..embedded import cache_dir
+    from ..config import default_cache_dir
 
-    return Path(args.index) if args.index else cache_dir() / "index"
+    return Path(args.index) if args.index else default_cache_dir() / "index"
 
 
 def check_models(args: argparse.Namespace) -> None:
@@ -52,18 +52,11 @@ def check_devices(args: argparse.Namespace) -> None:
             fail(f"--{flag.replace('_', '-')} {device!r}: not a device (cpu, cuda, cuda:N)")
 
 
-SELECTIONS = {"question": 0.0, "aux": None}  # --selection -> RequestOptions.requery
-
-
 def add_selection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--selection", default="question", choices=tuple(SELECTIONS),
+    parser.add_argument("--selection", default=DEFAULT_SELECTION, choices=SELECTIONS,
                         help="cacheclip's choice of rows to recompute: question = the question's attention over the "
                              "reused cache (default; it keeps more of full's answers), aux = the paper's aux-model "
                              "selection")
-
-
-def requery_of(args: argparse.Namespace) -> float | None:
-    return SELECTIONS[args.selection]
 
 
 def _check_ratio(ratio: float) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 
 from ..config import RequestOptions
-from .args import engine_config, requery_of
+from .args import engine_config
 
 # the handbook's facts, one question each (the examples look them up)
 DEMO_QUESTIONS = (
@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
         full_rows = full_tokens = None
         for method in methods:
             options = RequestOptions(method=method, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
-                                     requery=requery_of(args))
+                                     selection=args.selection)
             started = time.perf_counter()
-            plan, prefill = engine.prefill(question, chunks, options)
+            plan = engine.plan(question, chunks, options)
+            prefill = engine.prefill(plan, options)
             stream = engine.decode(plan, prefill, options, started)
             text = "".join(stream)
             answer = stream.answer

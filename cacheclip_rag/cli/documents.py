@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig, RequestOptions
-from .args import engine_config, index_dir, requery_of
+from .args import engine_config, index_dir
 from .files import TEXT_SUFFIXES, read_text, text_files
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def query(args: argparse.Namespace) -> int:
         sources = [(doc.metadata["file"], None) for doc in documents]
     engine = Engine.from_config(engine_config(args))
     options = RequestOptions(method=args.method, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
-                             requery=requery_of(args))
+                             selection=args.selection)
     if args.chunk_files is None:
         from llama_index.core import StorageContext, load_index_from_storage
 

@@ -20,7 +20,6 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine import Engine
     from ..evaluation import report, runner
-    from ..embedded import cache_dir
 
     profile = runner.PROFILES[args.profile]
     if args.tasks:
@@ -40,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         profile = replace(profile, alignment_lengths=tuple(int(x) for x in args.alignment_lengths.split(",")))
     config = engine_config(args)
     if not args.store:
-        config = replace(config, store_path=cache_dir() / "eval-store")
+        config = replace(config, store_path=Path(config.cache_dir) / "eval-store")
     for length in profile.lengths:
         profile.samples_at(length)  # one count per length, checked before the models load
     unknown = [v for v in profile.variants if v not in runner.VARIANTS]

@@ -21,7 +21,10 @@ class Variant:
     boundary_tokens: int | None = None  # RequestOptions.boundary_tokens
     recompute_layers: str = "all"  # RequestOptions.recompute_layers (a diagnostic)
     fixed_ratio: float | None = None  # run at this ratio whatever the profile's ratios (a diagnostic)
-    requery: float | None = None  # RequestOptions.requery: the query-driven second stage
+    # RequestOptions.selection and aux_share: "aux" (the paper's: the variant "cacheclip" reproduces it), or
+    # "question" (cacheclip's default), after the aux's pick of aux_share of the budget
+    selection: str = "aux"
+    aux_share: float = 0.0
 
     @property
     def uses_ratio(self) -> bool:
@@ -53,8 +56,8 @@ VARIANTS = {
         Variant("recompute_global_only", "cacheclip", recompute_layers="global", fixed_ratio=1.0),
         # a query-driven second stage (ProphetKV's idea): the question's attention over the reused cache picks
         # the budget (requery 0), or over the cache after the aux's pick of half the budget was recomputed
-        Variant("cacheclip_requery", "cacheclip", requery=0.0),
-        Variant("cacheclip_requery_half", "cacheclip", requery=0.5),
+        Variant("cacheclip_requery", "cacheclip", selection="question"),
+        Variant("cacheclip_requery_half", "cacheclip", selection="question", aux_share=0.5),
     )
 }
 

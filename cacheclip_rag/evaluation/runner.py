@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..config import RequestOptions
+from ..config import Diagnostics, RequestOptions
 from ..engine import Engine
 from ..models import PromptFormat, layer_types
 from . import ruler
@@ -86,14 +86,15 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
     def measure(variant: Variant, ratio: float | None):
         ape = dict(ape_temperature=variant.ape[0], ape_scale=variant.ape[1]) if variant.ape else {}
         ratio = variant.fixed_ratio if variant.fixed_ratio is not None else ratio
-        options = RequestOptions(
-            method=variant.method, ratio=ratio if ratio is not None else 0.0, grouping=variant.grouping,
-            shared_prefix=variant.shared_prefix, exact_budget=variant.exact_budget,
-            boundary_tokens=variant.boundary_tokens, recompute_layers=variant.recompute_layers, requery=variant.requery,
-            **ape, **base,
-        )
+        diagnostics = Diagnostics(grouping=variant.grouping, shared_prefix=variant.shared_prefix,
+                                  exact_budget=variant.exact_budget, boundary_tokens=variant.boundary_tokens,
+                                  recompute_layers=variant.recompute_layers)
+        options = RequestOptions(method=variant.method, ratio=ratio if ratio is not None else 0.0,
+                                 selection=variant.selection, aux_share=variant.aux_share, diagnostics=diagnostics,
+                                 **ape, **base)
         started = time.perf_counter()
-        plan, prefill = engine.prefill(sample.question, chunks, options)
+        plan = engine.plan(sample.question, chunks, options)
+        prefill = engine.prefill(plan, options)
         text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, sample.references, started,
                                                        sample.wrong)
         return plan, prefill, text, tokens, timings

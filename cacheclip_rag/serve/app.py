@@ -23,11 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import METHODS, REQUERY_DEFAULT, RequestOptions
+from ..config import DEFAULT_SELECTION, METHODS, RequestOptions
 from ..engine import Engine
 from ..ingest import FormattedPrefix
 from ..request import Answer
-from .layouts import Planned, plan_chat, plan_completion, system_head
+from .layouts import Defaults, Planned, plan_chat, plan_completion, stream_plan, system_head
 from .metrics import Metrics
 from .requests import APIError, chat_request, check_fields, completion_request, parse_json
 from .keys import OPERATOR, Tenant
@@ -44,7 +44,7 @@ class ServerSettings:
     tenant_keys: dict[str, Tenant] = field(default_factory=dict)  # key -> tenant (`tenants.load_keys`)
     method: str = "cacheclip"
     ratio: float = 0.2
-    requery: float | None = REQUERY_DEFAULT  # cacheclip's selection (None: the paper's aux selection)
+    selection: str = DEFAULT_SELECTION  # cacheclip's selection ("aux": the paper's aux selection)
     max_queue: int = 8
     max_batch: int = 8  # running requests whose decode steps run as one forward
     max_body_bytes: int = 8 << 20  # refused while reading (413)
@@ -60,7 +60,7 @@ class ServerSettings:
     index_refresh_s: float = 2.0  # how often new texts in the store are indexed for recognition
 
     def __post_init__(self) -> None:
-        RequestOptions(method=self.method, ratio=self.ratio, requery=self.requery)  # a clear error for a bad default
+        RequestOptions(method=self.method, ratio=self.ratio, selection=self.selection)  # a clear error for a bad default
         if self.max_queue < 1 or self.max_batch < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
             raise ValueError("max_queue >= 1, max_batch >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
         if self.api_keys and self.tenant_keys:
@@ -80,7 +80,6 @@ class Server:
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
         self.tenants = Tenants(engine, settings.keys, settings.index_refresh_s)
-        self.index = self.tenants.index
         self.worker = Worker(settings.max_queue, settings.max_batch)
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -147,11 +146,9 @@ class Server:
                 raise APIError(400, f"documents[{i}] holds a NUL character", f"documents[{i}]")
         system = body.get("system")
         if system is not None and (not isinstance(system, str) or not system.strip()):
-            raise APIError(400, "'system' must be the non-empty text your system message has before the chunks",
-                           "system")
+            raise APIError(400, "'system' must be the non-empty text your system message has before the chunks", "system")
         if system is not None and len(system) > settings.max_system_chars:
-            raise APIError(413, f"'system' has {len(system)} characters, over the limit of {settings.max_system_chars}",
-                           "system")
+            raise APIError(413, f"'system' has {len(system)} characters, over the limit of {settings.max_system_chars}", "system")
         return documents, system
 
     def limit_tokens(self, planned: Planned) -> Planned:
@@ -171,7 +168,7 @@ class Server:
         """The callable the worker runs: the prefill, returning the stream of pieces."""
         if planned.plan is None:
             return lambda: engine.complete(planned.prompt, planned.options)
-        return lambda: engine.stream_plan(planned.plan, planned.options)
+        return lambda: stream_plan(engine, planned.plan, planned.options)
 
     async def run(self, engine: Engine, planned: Planned, disconnected) -> tuple[Job, AsyncIterator[str]]:
         job = Job(self.start(engine, planned), asyncio.get_running_loop(), self.settings.timeout_s)
@@ -200,10 +197,8 @@ class Server:
         return job, pieces()
 
     def usage(self, planned: Planned, answer: Answer | None) -> dict:
-        prompt_tokens = answer.prompt_tokens if answer else 0
-        completion = len(answer.token_ids) if answer else 0
-        recomputed = answer.recomputed_tokens if answer else 0
-        reused = answer.reused_tokens if answer else 0
+        prompt_tokens, completion = (answer.prompt_tokens, len(answer.token_ids)) if answer else (0, 0)
+        recomputed, reused = (answer.recomputed_tokens, answer.reused_tokens) if answer else (0, 0)
         timings = answer.timings.as_dict() if answer else {}
         if answer:
             self.metrics.ttft.labels(planned.options.method if planned.plan is not None else "full").observe(
@@ -215,7 +210,9 @@ class Server:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": reused},
                 "cacheclip": {"method": planned.options.method if planned.plan is not None else "full",
-                              "ratio": planned.options.ratio, "requery": planned.options.requery,
+                              "ratio": planned.options.ratio,
+                              "selection": planned.options.selection, "aux_share": planned.options.aux_share,
+                              "requery": planned.options.requery,  # the old spelling (deprecated)
                               "chunks_recognised": planned.chunks_recognised,
                               "reused_tokens": reused, "recomputed_chunk_tokens": recomputed if planned.plan else 0,
                               "recognise_s": planned.recognise_s, "timings": timings}}
@@ -295,7 +292,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                                            bare=head is not None)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-        added = server.index.add(tenant.name, documents)
+        added = server.tenants.index.add(tenant.name, documents)
         server.metrics.requests.labels("/v1/ingest", "200").inc()
         return {"object": "ingest", "documents": len(documents), "indexed": added, "keys": [k.hex() for k in keys]}
 
@@ -355,7 +352,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
         scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
         planned = await asyncio.to_thread(lambda: server.limit_tokens(plan_chat(  # tokenizing: off the event loop
-            scope.engine, scope, with_default_tokens(parsed), settings.method, settings.ratio, settings.requery)))
+            scope, with_default_tokens(parsed), defaults)))
         return await respond(request, scope.engine, planned, "chat")
 
     @app.post("/v1/completions")
@@ -366,8 +363,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
         scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
         planned = await asyncio.to_thread(lambda: server.limit_tokens(plan_completion(
-            scope.engine, scope, with_default_tokens(parsed), settings.method, settings.ratio, settings.requery)))
+            scope, with_default_tokens(parsed), defaults)))
         return await respond(request, scope.engine, planned, "completion")
+
+    defaults = Defaults(settings.method, settings.ratio, settings.selection)
 
     def with_default_tokens(parsed):
         if parsed.generation.max_tokens is not None:

@@ -64,7 +64,8 @@ class RemoteEngine:
                 "messages": [{"role": "system", "content": options.system_prompt or self.config.system_prompt},
                              {"role": "user", "content": question}],
                 "documents": list(texts), "cacheclip": {"method": options.method, "ratio": options.ratio,
-                                                            "requery": options.requery}}
+                                                            "selection": options.selection,
+                                                            "aux_share": options.aux_share}}
         if options.stop:
             body["stop"] = list(options.stop)
         if options.seed is not None:
@@ -103,15 +104,14 @@ class RemoteEngine:
                                timings=timings, reused_tokens=(usage or {}).get("prompt_tokens_details", {}).get(
                                    "cached_tokens", 0))
 
-    def ingest(self, texts: Sequence[str], progress: bool = False) -> list[bytes]:
+    def ingest(self, texts: Sequence[str], *, progress: bool = False, owners: Sequence[str] | None = None,
+               groups: Sequence[str | None] | None = None) -> list[bytes]:
+        """The texts' caches computed and stored by the server; `owners` and `groups` are not tracked from
+        here (a remote store's users are the server's): deletes stay local to the app's vector store."""
         reply = self._http.post(self.url + "/v1/ingest", json={"documents": list(texts)})
         if reply.status_code != 200:
             raise RuntimeError(f"{self.url} refused the documents ({reply.status_code}): {reply.text[:300]}")
         return [bytes.fromhex(k) for k in reply.json()["keys"]]
-
-    # a remote store's users are not tracked from here: deletes stay local to the app's vector store
-    def retain(self, owner: str, text: str, group: str | None = None) -> None:
-        return None
 
     def owners_of(self, group: str) -> list[str]:
         return []

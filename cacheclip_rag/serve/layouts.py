@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from ..config import RequestOptions
+from ..config import DEFAULT_SELECTION, RequestOptions
 from ..engine import Engine
-from ..recognize import ChunkIndex, Layout, layout
-from ..request import Plan
+from ..planning import plan_layout
+from ..recognize import Layout, layout
+from ..request import Plan, Stream
 from .requests import APIError, ChatRequest, CompletionRequest, Generation
+from .tenants import Scope
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,31 @@ def system_head(engine: Engine, system: str) -> str:
     return rendered[: rendered.index(mark)]
 
 
-def options_for(engine: Engine, generation: Generation, default_method: str, default_ratio: float,
-                default_requery: float | None) -> RequestOptions:
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that names none gets: the server's method, ratio and selection."""
+
+    method: str = "cacheclip"
+    ratio: float = 0.2
+    selection: str = DEFAULT_SELECTION
+
+
+def options_for(generation: Generation, defaults: Defaults) -> RequestOptions:
     try:
-        requery = default_requery if generation.requery is None else generation.requery[0]
-        return RequestOptions(method=generation.method or default_method,
-                              ratio=default_ratio if generation.ratio is None else generation.ratio, requery=requery,
+        return RequestOptions(method=generation.method or defaults.method,
+                              ratio=defaults.ratio if generation.ratio is None else generation.ratio,
+                              selection=generation.selection or defaults.selection,
+                              aux_share=generation.aux_share or 0.0,
                               max_new_tokens=generation.max_tokens or 256, temperature=generation.temperature,
                               top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
     except (TypeError, ValueError) as err:
         raise APIError(400, str(err)) from None
+
+
+def stream_plan(engine: Engine, plan: Plan, options: RequestOptions) -> Stream:
+    """A planned request answered: prefill, then decode (TTFT counted from now)."""
+    started = time.perf_counter()
+    return engine.decode(plan, engine.prefill(plan, options), options, started)
 
 
 def _question(messages: tuple[dict, ...], chunks: tuple[str, ...]) -> str:
@@ -70,14 +87,14 @@ def selection_for(engine: Engine, found: Layout, options: RequestOptions) -> Req
     """cacheclip's query-driven selection reads the question's attention from the rows after the chunks; a
     prompt that asks before its context (the user's words are not in the text after the last chunk) is
     selected by the aux, from the user's words, instead (the paper's selection)."""
-    if options.method != "cacheclip" or options.requery is None or engine.aux is None:
+    if options.method != "cacheclip" or options.selection != "question" or engine.aux is None:
         return options
     if " ".join(found.question.split()) in " ".join(found.tail.split()):
         return options
-    return replace(options, requery=None)
+    return replace(options, selection="aux", aux_share=0.0)
 
 
-def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, options: RequestOptions,
+def _recognised(engine: Engine, index: Scope, prompt: str, question: str, options: RequestOptions,
                 messages: tuple[dict, ...] = ()) -> Planned:
     t0 = time.perf_counter()
     matches = index.find(prompt)
@@ -89,14 +106,13 @@ def _recognised(engine: Engine, index: ChunkIndex, prompt: str, question: str, o
         found = replace(found, question=_question(messages, tuple(prompt[m.start : m.stop] for m in matches)))
         options = selection_for(engine, found, options)
     try:
-        return Planned(engine.plan_layout(found, options), None, options, len(matches), recognise_s)
+        return Planned(plan_layout(engine.primary, found, options), None, options, len(matches), recognise_s)
     except ValueError as err:
         raise APIError(400, str(err), code="context_length_exceeded" if "context" in str(err) else None) from None
 
 
-def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_method: str,
-              default_ratio: float, default_requery: float | None) -> Planned:
-    options = options_for(engine, request.generation, default_method, default_ratio, default_requery)
+def plan_chat(scope: Scope, request: ChatRequest, defaults: Defaults) -> Planned:
+    engine, options = scope.engine, options_for(request.generation, defaults)
     messages = request.messages
     if request.generation.documents:  # the engine's own layout over the given documents
         system = next((m["content"] for m in messages if m["role"] == "system" and m["content"].strip()), None)
@@ -106,16 +122,15 @@ def plan_chat(engine: Engine, index: ChunkIndex, request: ChatRequest, default_m
                            options, len(request.generation.documents))
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-    return _recognised(engine, index, render_chat(engine, messages), messages[-1]["content"], options, messages)
+    return _recognised(engine, scope, render_chat(engine, messages), messages[-1]["content"], options, messages)
 
 
-def plan_completion(engine: Engine, index: ChunkIndex, request: CompletionRequest, default_method: str,
-                    default_ratio: float, default_requery: float | None) -> Planned:
-    options = options_for(engine, request.generation, default_method, default_ratio, default_requery)
+def plan_completion(scope: Scope, request: CompletionRequest, defaults: Defaults) -> Planned:
+    engine, options = scope.engine, options_for(request.generation, defaults)
     if request.generation.documents:
         try:
             return Planned(engine.plan(request.prompt, list(request.generation.documents), options), None, options,
                            len(request.generation.documents))
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-    return _recognised(engine, index, request.prompt, request.prompt[-500:], options)
+    return _recognised(engine, scope, request.prompt, request.prompt[-500:], options)

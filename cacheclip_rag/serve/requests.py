@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import SELECTIONS
+
 
 class APIError(Exception):
     """An OpenAI-style error: HTTP `status`, and the body {"error": {"message", "type", "param", "code"}}."""
@@ -39,9 +41,10 @@ class Generation:
     include_usage: bool
     documents: tuple[str, ...] | None  # explicit chunks (extra_body={"documents": [...]})
     cache_salt: str | None  # reuse only between requests of the same tenant with the same salt (as vLLM)
-    method: str | None  # extra_body={"cacheclip": {"method", "ratio", "requery"}}
+    method: str | None  # extra_body={"cacheclip": {"method", "ratio", "selection", "aux_share"}}
     ratio: float | None
-    requery: tuple[float | None] | None = None  # (value,) when the request names one (null: the paper's selection)
+    selection: str | None = None  # "question" | "aux" when the request names one
+    aux_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -179,18 +182,35 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
         raise APIError(400, "'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
     ours = body.get("cacheclip") or {}
     if not isinstance(ours, dict):
-        raise APIError(400, "'cacheclip' must be an object: {\"method\": ..., \"ratio\": ..., \"requery\": ...}", "cacheclip")
+        raise APIError(400, "'cacheclip' must be an object: {\"method\": ..., \"ratio\": ..., \"selection\": ...}",
+                       "cacheclip")
     method = ours.get("method")
     if method is not None and method not in methods:
         raise APIError(400, f"'cacheclip.method' must be one of {', '.join(methods)}, got {method!r}", "cacheclip.method")
     ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, 0.0, 1.0)
-    requery = None
-    if "requery" in ours:
-        requery = (None if ours["requery"] is None else _number(ours, "requery", 0.0, 0.0, 1.0),)
+    selection, aux_share = _selection(ours)
     return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
                       top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), stop=_strings(body.get("stop"), "stop", 4),
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
-                      documents=documents, cache_salt=salt, method=method, ratio=ratio, requery=requery)
+                      documents=documents, cache_salt=salt, method=method, ratio=ratio, selection=selection,
+                      aux_share=aux_share)
+
+
+def _selection(ours: dict) -> tuple[str | None, float | None]:
+    """`selection` and `aux_share` as named, or from `requery`, their old spelling (deprecated; null: the
+    paper's aux selection, a number p: the question's with the aux's share p)."""
+    selection = ours.get("selection")
+    if selection is not None and selection not in SELECTIONS:
+        raise APIError(400, f"'cacheclip.selection' must be one of {', '.join(SELECTIONS)}, got {selection!r}",
+                       "cacheclip.selection")
+    aux_share = None if ours.get("aux_share") is None else _number(ours, "aux_share", 0.0, 0.0, 1.0)
+    if "requery" in ours:
+        if selection is not None or aux_share is not None:
+            raise APIError(400, "give 'requery' (deprecated) or 'selection'/'aux_share', not both", "requery")
+        if ours["requery"] is None:
+            return "aux", None
+        return "question", _number(ours, "requery", 0.0, 0.0, 1.0)
+    return selection, aux_share
 
 
 def _content(message: dict, i: int) -> str:

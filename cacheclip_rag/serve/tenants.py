@@ -22,13 +22,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..engine import Engine
-from ..recognize import ChunkIndex, Match, select_matches
-from ..store.namespaced import NamespacedStore, split_marked
+from ..recognize import Match, StoreIndex
+from ..store.namespaced import NamespacedStore
 from .keys import SHARED, Tenant
 
 MAX_VIEWS = 256  # (tenant, salt) engine views kept; a view is a few small objects over the shared models
@@ -41,57 +40,12 @@ def salted(tenant: Tenant, salt: str | None) -> str:
     return f"{tenant.name}\x01salt:{hashlib.sha256(salt.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
 
 
-class TenantIndex:
-    """The store's remembered texts, one `ChunkIndex` per namespace, refreshed from the store (texts that
-    `cacheclip ingest`, a replica or another process added) at most every `refresh_s`."""
-
-    def __init__(self, store, refresh_s: float = 2.0):
-        self._store, self.refresh_s = store, refresh_s
-        self._indexes: dict[str, ChunkIndex] = {}
-        self._cursor, self._checked = 0, 0.0
-        self._lock = threading.Lock()
-        self.refresh(force=True)
-
-    def __len__(self) -> int:
-        return sum(len(i) for i in list(self._indexes.values()))
-
-    def of(self, namespace: str) -> ChunkIndex:
-        with self._lock:
-            if namespace not in self._indexes:
-                self._indexes[namespace] = ChunkIndex()
-            return self._indexes[namespace]
-
-    def add(self, namespace: str, texts: list[str]) -> int:
-        return self.of(namespace).add(texts)
-
-    def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._checked < self.refresh_s:
-            return
-        texts, self._cursor = self._store.texts_since(self._cursor)
-        grouped: dict[str, list[str]] = {}
-        for namespace, text in map(split_marked, texts):
-            grouped.setdefault(namespace, []).append(text)
-        for namespace, group in grouped.items():
-            self.add(namespace, group)
-        self._checked = time.monotonic()
-
-    def find(self, prompt: str, namespaces: tuple[str, ...]) -> list[Match]:
-        """The chunks of `namespaces` found in `prompt` (leftmost first, the longest at a position)."""
-        self.refresh()
-        candidates = []
-        for namespace in dict.fromkeys(namespaces):
-            index = self._indexes.get(namespace)
-            if index is not None and len(index):
-                candidates += index.candidates(prompt)
-        return select_matches(prompt, candidates)
-
-
 @dataclass(frozen=True)
 class Scope:
     """What one request may see: the engine over its namespace and the recogniser over its chunks."""
 
     engine: Engine
-    index: TenantIndex
+    index: StoreIndex
     namespaces: tuple[str, ...]
 
     def find(self, prompt: str) -> list[Match]:
@@ -103,7 +57,7 @@ class Tenants:
 
     def __init__(self, engine: Engine, keys: dict[str, Tenant], refresh_s: float = 2.0):
         self.engine, self.keys = engine, keys
-        self.index = TenantIndex(engine.store, refresh_s)
+        self.index = StoreIndex(engine.store, refresh_s)
         self._views: OrderedDict[str, Engine] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -121,7 +75,7 @@ class Tenants:
                 return self._views[namespace]
             view = copy.copy(self.engine)  # the same models and settings; its own store view
             view.store = NamespacedStore(self.engine.store, namespace, readable)
-            view._chunk_index = None
+            view._index = None
             self._views[namespace] = view
             while len(self._views) > MAX_VIEWS:
                 self._views.popitem(last=False)

@@ -221,7 +221,7 @@ def validate(mapper: Mapper, pairs: Sequence[tuple[KVText, KVText, torch.Tensor]
 # ---- applying --------------------------------------------------------------------------------
 
 
-def transfer_kv(mapper: Mapper, source: LoadedModel, target: LoadedModel, keys: torch.Tensor, values: torch.Tensor,
+def transfer_kv(mapper: Mapper, source: LoadedModel, target: LoadedModel, *, keys: torch.Tensor, values: torch.Tensor,
                 source_positions: torch.Tensor, source_offsets: Sequence[tuple[int, int]],
                 target_offsets: Sequence[tuple[int, int]], target_positions: torch.Tensor, text_length: int,
                 force: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,8 +105,10 @@ class Conversation:
             return nxt
         keys, values = self.cache.rows(self.start_len, self.length)
         at = nxt.start_len
-        mk, mv = transfer_kv(mapper, self.lm, target, keys, values, torch.arange(self.start_len, self.length),
-                             self.offsets, offsets, torch.arange(at, at + len(ids)), len(self.text), force=True)
+        mk, mv = transfer_kv(mapper, self.lm, target, keys=keys, values=values,
+                             source_positions=torch.arange(self.start_len, self.length), source_offsets=self.offsets,
+                             target_offsets=offsets, target_positions=torch.arange(at, at + len(ids)),
+                             text_length=len(self.text), force=True)
         nxt.cache.place(at, mk, mv)
         nxt.ids, nxt.offsets, nxt.text = list(ids), list(offsets), self.text
         nxt._run(ids[-1:], at + len(ids) - 1)  # the last row, exactly, for the next-token logits
@@ -145,8 +147,10 @@ def migrate(store, source: LoadedModel, target: LoadedModel, mapper: Mapper, tex
         unit = chunk_unit(target, text)
         ids, offsets = target.encode_with_offsets(unit)
         keys, values = transfer_kv(
-            mapper, source, target, entry.keys, entry.values, torch.arange(p_src, p_src + entry.num_tokens),
-            entry.offsets, offsets, torch.arange(p_tgt, p_tgt + len(ids)), len(unit), force=True,
+            mapper, source, target, keys=entry.keys, values=entry.values,
+            source_positions=torch.arange(p_src, p_src + entry.num_tokens), source_offsets=entry.offsets,
+            target_offsets=offsets, target_positions=torch.arange(p_tgt, p_tgt + len(ids)), text_length=len(unit),
+            force=True,
         )
         store.put(target_key, target.fingerprint.digest, ChunkEntry(keys, values, tuple(ids), tuple(offsets)))
         moved += 1

@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
 
         texts = [f"chunk {i}: " + "the quick brown fox jumps over the lazy dog " * 8 for i in range(int(rest[0]))]
         with LMDBStore(path) as store:
-            precompute(tiny_model("llama"), store, texts, "Be brief.", SHARED, batch_size=1, progress=False)
+            precompute(tiny_model("llama"), store, texts, "Be brief.", variant=SHARED, batch_size=1, progress=False)
         print("done", flush=True)
     else:
         raise SystemExit(f"unknown role {role!r}")

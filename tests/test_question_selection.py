@@ -1,4 +1,4 @@
-"""The query-driven second stage (`RequestOptions(requery=p)`): the question's own attention over the (partly
+"""The question selection (`RequestOptions(selection="question", aux_share=p)`, once `requery=p`): the question's own attention over the (partly
 corrected) cache picks the rest of the budget, and the rows run twice are counted (both exact ends: in
 tests/test_boundaries.py, beside the other selection option's)."""
 
@@ -7,16 +7,17 @@ import math
 import pytest
 import torch
 
+from cacheclip_rag import blend, methods
 from cacheclip_rag.attention import AttentionProbe, use_cacheclip_attention
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.ingest import new_cache
 from cacheclip_rag.recompute import forward_at
-from cacheclip_rag.requery import question_attention
+from cacheclip_rag.selection import question_scores
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import CHUNKS, QUESTION, max_diff, prefill
+from tests.conftest import CHUNKS, QUESTION, max_diff, options_of, prefill
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_requery_spends_the_budget_and_counts_stage_ones_rows_twice(make_engine, arch):
+def test_aux_share_spends_the_budget_and_counts_stage_ones_rows_twice(make_engine, arch):
     engine = make_engine(tiny_model(arch))
     plan, paper = prefill(engine, ratio=0.3, requery=None)
     _, alone = prefill(engine, ratio=0.3, requery=0.0)
@@ -40,10 +41,8 @@ def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_sel
     requery=None reproduces the paper's aux selection."""
     engine = make_engine(tiny_model("llama"))
     calls = []
-    from cacheclip_rag import blend
-
-    select = blend.aux_selection
-    monkeypatch.setattr(blend, "aux_selection", lambda *a: calls.append(1) or select(*a))
+    select = methods.aux_attention
+    monkeypatch.setattr(methods, "aux_attention", lambda *a: calls.append(1) or select(*a))
     assert RequestOptions().requery == 0.0
     _, default = prefill(engine, ratio=0.3)
     assert not calls
@@ -55,12 +54,12 @@ def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_sel
     assert set(paper.recomputed_positions.tolist()) != set(default.recomputed_positions.tolist())
 
 
-def test_requery_zero_recomputes_the_rows_the_question_attends_to_most(make_engine):
+def test_the_question_selection_recomputes_the_rows_the_question_attends_to_most(make_engine):
     engine = make_engine(tiny_model("qwen2"))
     plan, p = prefill(engine, ratio=0.25, requery=0.0, grouping=False)
     options = RequestOptions(ratio=0.25, max_new_tokens=1)
-    cache = engine.blended_cache(plan, options, shared=True)
-    scores = question_attention(engine.parts, cache, plan, options)
+    cache = blend.blended_cache(engine.parts, plan, options, shared=True)
+    scores = question_scores(engine.parts, cache, plan, options)
     assert math.isclose(float(scores.sum()), 1.0, rel_tol=1e-4)  # each layer's share over the chunk rows
     a, b = plan.chunk_rows()[0]
     scores[a:b] = float("-inf")  # chunk 0 behind the prefix is exact already
@@ -94,12 +93,25 @@ def test_a_probe_on_rows_keeps_their_mean_over_heads_and_rows():
                                        ({"boundary_tokens": 2}, "requery=None")])
 def test_bad_requery_options_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
-        RequestOptions(**kw)
+        options_of(**kw)
+
+
+def test_requery_is_a_deprecated_spelling_of_the_selection():
+    """RequestOptions(requery=...) (the old spelling) maps to selection and aux_share, with a warning."""
+    for requery, selection, share in ((None, "aux", 0.0), (0.0, "question", 0.0), (0.5, "question", 0.5)):
+        with pytest.warns(DeprecationWarning, match="selection"):
+            options = RequestOptions(requery=requery)
+        assert (options.selection, options.aux_share, options.requery) == (selection, share, requery)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="requery"):
+        RequestOptions(requery=1.0)
+    with pytest.raises(ValueError, match="selection"):
+        RequestOptions(selection="attention")
 
 
 def test_the_answer_counts_the_rows_run_twice(make_engine):
     engine = make_engine(tiny_model("llama"))
-    options = RequestOptions(ratio=0.3, requery=0.5, max_new_tokens=2)
-    plan, p = engine.prefill(QUESTION, CHUNKS, options)
+    options = RequestOptions(ratio=0.3, aux_share=0.5, max_new_tokens=2)
+    plan = engine.plan(QUESTION, CHUNKS, options)
+    p = engine.prefill(plan, options)
     answer = engine.generate(QUESTION, CHUNKS, options)
     assert answer.recomputed_tokens == p.recomputed_positions.numel() + p.extra_recomputed > p.recomputed_positions.numel()
