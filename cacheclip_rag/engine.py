@@ -185,15 +185,21 @@ class Engine:
         plan = plan_layout(self.primary, found, options)
         return self.decode(plan, self.prefill(plan, options), options, started)
 
-    def complete(self, prompt: str, options: RequestOptions | None = None) -> Stream:
+    def complete(self, prompt: str | Sequence[int], options: RequestOptions | None = None) -> Stream:
         """Plain generation from a whole prompt (no chunks, no reuse): full prefill, then decode.
-        The prompt is used as written (no chat template); BOS is added when the model uses one."""
+        The prompt is used as written (no chat template); BOS is added when the model uses one. Token ids
+        (the prompt already tokenized, as `encode_prefix` does) are used as they are."""
         options = options or RequestOptions(method="full")
         started = time.perf_counter()
         lm = self.primary
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError("prompt is empty")
-        ids = lm.encode_prefix(prompt)
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("prompt is empty")
+            ids = lm.encode_prefix(prompt)
+        elif not prompt or not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            raise ValueError("prompt is empty, or not a string or token ids")
+        else:
+            ids = list(prompt)
         if len(ids) + options.max_new_tokens > lm.max_context:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_new_tokens={options.max_new_tokens} "
                              f"exceeds the model's context of {lm.max_context} tokens")

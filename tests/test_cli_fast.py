@@ -218,3 +218,18 @@ def test_the_demo_prints_right_answers_ttft_and_agreement_with_full(tmp_path, ca
     rows = {line.split()[0]: line.split() for line in summary[2:]}
     assert list(rows) == ["full", "cacheclip", "shared_prefix"]
     assert rows["full"][-1] == "100%" and rows["cacheclip"][-1] == "100%"
+
+
+def test_ingest_reads_each_file_once(tmp_path, monkeypatch):
+    """The checks read every file (strict UTF-8, not binary, not empty) before anything heavy loads; the
+    command then builds its documents from those texts, not from a second read."""
+    pytest.importorskip("llama_index.core")
+    from cacheclip_rag.cli import documents, files
+
+    (tmp_path / "a.md").write_text("# One\n\nFirst part.\n\n# Two\n\nSecond part.\n")
+    (tmp_path / "b.txt").write_text("Plain text.\n")
+    checked = files.checked_texts([str(tmp_path)])
+    monkeypatch.setattr(documents, "read_text", lambda file: (_ for _ in ()).throw(AssertionError(f"read again: {file}")))
+    nodes = documents._read_nodes([str(tmp_path)], None, texts=checked)
+    assert {n.metadata["file"] for n in nodes} == {str(f) for f in checked}
+    assert "".join(n.text for n in nodes).count("part.") == 2

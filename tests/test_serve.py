@@ -506,3 +506,20 @@ def test_the_integrations_take_a_server_url_instead_of_an_engine(live, engine):
     chain_input = {"docs": CHUNKS, "question": QUESTION}
     assert CacheClipGenerate(url, options, api_key=KEY).invoke(chain_input) == \
         CacheClipGenerate(engine, options).invoke(chain_input)
+
+
+def test_a_prompt_without_stored_chunks_is_tokenized_once(engine, monkeypatch):
+    """The size check tokenizes an unrecognised prompt, and the worker's full prefill reads those ids: the
+    answer is plain generation's, and the tokenizer ran once."""
+    from cacheclip_rag.serve.app import Server
+    from cacheclip_rag.serve.layouts import Planned
+
+    server = Server(engine, ServerSettings())
+    prompt, options = "An ordinary prompt with nothing stored in it. Say hello.", RequestOptions(method="full", max_new_tokens=3)
+    expected = "".join(engine.complete(prompt, options))
+    calls = []
+    encode = engine.primary.encode_prefix
+    monkeypatch.setattr(engine.primary, "encode_prefix", lambda text: calls.append(text) or encode(text))
+    planned = server.limit_tokens(Planned(None, prompt, options, 0))
+    assert "".join(server.start(engine, planned)()) == expected
+    assert calls == [prompt]

@@ -107,7 +107,7 @@ def check_ingest(args: argparse.Namespace) -> None:
         fail(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
     if args.ray_workers < 1:
         fail(f"--ray-workers must be >= 1, got {args.ray_workers}")
-    checked_texts(args.paths)
+    args.texts = checked_texts(args.paths)  # read once: the command uses these texts
     if args.server is not None:
         check_server(args.server)  # the server's own models answer: ours are not loaded
         return
@@ -133,7 +133,7 @@ def check_query(args: argparse.Namespace) -> None:
                 fail(f"no such file: {name}")
         from .files import checked_texts
 
-        checked_texts(args.chunk_files, suffixes=None)
+        args.texts = checked_texts(args.chunk_files, suffixes=None)
     check_models(args)  # what the user typed before what they left to the default (the index's place)
     if args.chunk_files is None and not (index_dir(args) / "docstore.json").exists():
         fail(f"no index at {index_dir(args)}: build one with `cacheclip ingest DOCS"

@@ -20,18 +20,20 @@ if TYPE_CHECKING:
     from llama_index.core.schema import Document, TextNode
 
 
-def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES) -> list[Document]:
+def _load_documents(paths: list[str], suffixes: tuple[str, ...] | None = TEXT_SUFFIXES,
+                    texts: dict[Path, str] | None = None) -> list[Document]:
     """One LlamaIndex Document per file under `paths` (a folder recursively, hidden files skipped, only
     `suffixes`), its id and `file` metadata the resolved path. The files were checked (strict UTF-8, not
     binary, not empty) before anything heavy loaded (`args`); they are read as plain text, which is all
-    .md and .txt need (so LlamaIndex's readers for other formats are not consulted)."""
+    .md and .txt need (so LlamaIndex's readers for other formats are not consulted). `texts`: the files as
+    the checks read them (file -> text), so no file is read twice."""
     from llama_index.core.schema import Document
 
-    return [Document(id_=str(file), text=read_text(file), metadata={"file": str(file)})
-            for file in text_files(paths, suffixes)]
+    texts = texts if texts is not None else {file: read_text(file) for file in text_files(paths, suffixes)}
+    return [Document(id_=str(file), text=text, metadata={"file": str(file)}) for file, text in texts.items()]
 
 
-def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNode]:
+def _read_nodes(paths: list[str], chunk_size: int | None = None, texts: dict[Path, str] | None = None) -> list[TextNode]:
     """The files under `paths` as LlamaIndex nodes: markdown files split at their headings by
     MarkdownNodeParser (text before the first heading is a node of its own: nothing is dropped), then
     every node longer than `chunk_size` tokens of the MiniLM embedder split by SentenceSplitter (so no
@@ -42,7 +44,7 @@ def _read_nodes(paths: list[str], chunk_size: int | None = None) -> list[TextNod
     from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
 
     headings, nodes = MarkdownNodeParser(include_prev_next_rel=False), []
-    for doc in _load_documents(paths):
+    for doc in _load_documents(paths, texts=texts):
         if doc.metadata["file"].endswith(".md"):
             nodes += headings([doc])
         else:
@@ -78,7 +80,7 @@ def ingest(args: argparse.Namespace) -> int:
 
     from ..engine import Engine
 
-    read = _read_nodes(args.paths, args.chunk_size)
+    read = _read_nodes(args.paths, args.chunk_size, getattr(args, "texts", None))
     if not read:
         raise SystemExit("no .md or .txt text found")
     if args.server is not None:
@@ -168,7 +170,7 @@ def query(args: argparse.Namespace) -> int:
 
     sources: list[tuple[str, float | None]] = []
     if args.chunk_files is not None:
-        documents = _load_documents(args.chunk_files, suffixes=None)
+        documents = _load_documents(args.chunk_files, suffixes=None, texts=getattr(args, "texts", None))
         chunks = [doc.text for doc in documents]
         sources = [(doc.metadata["file"], None) for doc in documents]
     engine = Engine.from_config(engine_config(args))

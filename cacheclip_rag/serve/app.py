@@ -152,9 +152,11 @@ class Server:
         return documents, system
 
     def limit_tokens(self, planned: Planned) -> Planned:
-        """max_tokens within the context: a request that asks for more than fits is refused, named."""
+        """max_tokens within the context (a request asking for more than fits is refused, named); the ids."""
         lm = self.engine.primary
-        prompt_tokens = planned.plan.length if planned.plan is not None else len(lm.encode_prefix(planned.prompt))
+        if planned.plan is None:  # tokenized once, here: the worker's full prefill takes these ids
+            planned = replace(planned, prompt_ids=tuple(lm.encode_prefix(planned.prompt)))
+        prompt_tokens = planned.plan.length if planned.plan is not None else len(planned.prompt_ids)
         room = lm.max_context - prompt_tokens
         if room < 1:
             raise APIError(400, f"the prompt's {prompt_tokens} tokens fill the model's context of {lm.max_context}",
@@ -165,9 +167,8 @@ class Server:
         return planned
 
     def start(self, engine: Engine, planned: Planned):
-        """The callable the worker runs: the prefill, returning the stream of pieces."""
         if planned.plan is None:
-            return lambda: engine.complete(planned.prompt, planned.options)
+            return lambda: engine.complete(planned.prompt_ids or planned.prompt, planned.options)
         return lambda: stream_plan(engine, planned.plan, planned.options)
 
     async def run(self, engine: Engine, planned: Planned, disconnected) -> tuple[Job, AsyncIterator[str]]:

@@ -26,6 +26,7 @@ class Planned:
     options: RequestOptions
     chunks_recognised: int
     recognise_s: float = 0.0
+    prompt_ids: tuple[int, ...] | None = None  # `prompt` tokenized (once: the size check and the prefill read it)
 
 
 def render_chat(engine: Engine, messages: tuple[dict, ...]) -> str:
