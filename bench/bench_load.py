@@ -73,7 +73,7 @@ def make_entries(case: str) -> list[ChunkEntry]:
 def new_cache(case: str) -> tuple[BlendedCache, list]:
     layers, heads, dim, chunks, tokens, _, dtype = CASES[case]
     prefix = 32
-    cache = BlendedCache.empty(layers, 1, heads, prefix + chunks * tokens + 64, dim, dtype, "cpu")
+    cache = BlendedCache.empty(layers, 1, heads, prefix + chunks * tokens + 64, dim, dtype=dtype, device="cpu")
     slots = [cache.slot(prefix + i * tokens, tokens) for i in range(chunks)]
     return cache, slots
 

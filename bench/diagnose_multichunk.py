@@ -64,7 +64,7 @@ def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tens
     chosen = question_attention(parts, cache, plan, options)
     rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
     positions = blend.positions_of(plan, rows)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
     prefill = Prefill(cache, logits, positions, Timings())
     text = ""
     for piece in engine.decode(plan, prefill, options):
@@ -103,6 +103,10 @@ def diagnose(engine: Engine, sample: ruler.Sample, ratio: float, count) -> dict:
         if name == "default":
             covered = sum(int((c & v).sum()) for c, v in zip(chosen.rows[1:], skip))
             row[name]["coverage"] = covered / max(1, row["value_tokens"])
+            # the value-sentence tokens it left stale, as text (a run of them per gap)
+            row[name]["missed"] = [view.primary.tokenizer.decode([plan.chunk_ids[c][t]])
+                                   for c in range(1, len(plan.chunk_ids))
+                                   for t in torch.nonzero(values[c] & ~chosen.rows[c]).flatten().tolist()]
             forced = view.teacher_forced_logits(plan, prefill, full_tokens).argmax(-1).tolist()
             split = next((i for i, (a, b) in enumerate(zip(forced, full_tokens)) if a != b), None)
             row["first_decision"] = None if split is None else {

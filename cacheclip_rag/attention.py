@@ -91,7 +91,7 @@ class ForwardContext:
     ragged: RaggedBatch | None = None
 
 
-def _scores(query, key, mask, scaling, softcap) -> torch.Tensor:
+def _scores(query, key, mask, *, scaling, softcap) -> torch.Tensor:
     """float32 attention logits [B, H, Tq, Tk], softcapped and masked."""
     key = repeat_kv(key, query.shape[1] // key.shape[1])
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
@@ -108,14 +108,14 @@ def _attend(probs: torch.Tensor, value: torch.Tensor, heads: int) -> torch.Tenso
     return torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
 
 
-def _eager_with_weights(module, query, key, value, mask, scaling, softcap):
-    probs = torch.softmax(_scores(query, key, mask, scaling, softcap), dim=-1)
+def _eager_with_weights(module, query, key, value, mask, *, scaling, softcap):
+    probs = torch.softmax(_scores(query, key, mask, scaling=scaling, softcap=softcap), dim=-1)
     return _attend(probs, value, query.shape[1]), probs
 
 
-def chunk_scaled_attention(query, key, value, mask, scaling, softcap, chunks: ChunkScaling) -> torch.Tensor:
+def chunk_scaled_attention(query, key, value, mask, *, scaling, softcap, chunks: ChunkScaling) -> torch.Tensor:
     """Attention [B, Tq, H, D] with APE's temperature and scale on the chunk rows (see `ChunkScaling`)."""
-    scores = _scores(query, key, mask, scaling, softcap)
+    scores = _scores(query, key, mask, scaling=scaling, softcap=softcap)
     start, stop = chunks.start, min(chunks.stop, scores.shape[-1])
     inside = scores[..., start:stop] / chunks.temperature
     lse = torch.logsumexp(inside, dim=-1, keepdim=True)
@@ -125,14 +125,14 @@ def chunk_scaled_attention(query, key, value, mask, scaling, softcap, chunks: Ch
     return _attend(torch.softmax(scores, dim=-1), value, query.shape[1])
 
 
-def ragged_attention(module, query, keys, values, batch: RaggedBatch, scaling, softcap, **kwargs) -> torch.Tensor:
+def ragged_attention(module, query, keys, values, *, batch: RaggedBatch, scaling, softcap, **kwargs) -> torch.Tensor:
     """query [1, H, sum T, D] (the requests' rows packed), keys/values one [1, KV, N_b, D] per request
     -> [1, sum T, H, D]: each request's segment attends over its own cache."""
     outs = []
     for b, (start, stop) in enumerate(batch.segments):
         q, mask = query[:, :, start:stop], batch.mask(b, module.layer_idx)
         if softcap is not None:
-            outs.append(_eager_with_weights(module, q, keys[b], values[b], mask, scaling, softcap)[0])
+            outs.append(_eager_with_weights(module, q, keys[b], values[b], mask, scaling=scaling, softcap=softcap)[0])
         else:
             outs.append(sdpa_attention_forward(module, q, keys[b], values[b], mask, scaling=scaling, **kwargs)[0])
     return torch.cat(outs, dim=1)
@@ -151,14 +151,16 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
     softcap = kwargs.get("softcap")
     if context is not None:
         if context.ragged is not None:
-            return ragged_attention(module, query, key, value, context.ragged, scaling, softcap, **kwargs), None
+            return ragged_attention(module, query, key, value, batch=context.ragged, scaling=scaling, softcap=softcap,
+                                    **kwargs), None
         probe = context.probes.get(module.layer_idx)
         if probe is not None:
-            out, probs = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
+            out, probs = _eager_with_weights(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap)
             probe.record(probs)
             return out, None
         if context.chunk_scaling is not None:
-            return chunk_scaled_attention(query, key, value, attention_mask, scaling, softcap, context.chunk_scaling), None
+            return chunk_scaled_attention(query, key, value, attention_mask, scaling=scaling, softcap=softcap,
+                                          chunks=context.chunk_scaling), None
         if context.kernel is not None:
             out = context.kernel(
                 query, key, value, context.query_positions,
@@ -166,7 +168,7 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
             )
             return out, None
     if softcap is not None:
-        out, _ = _eager_with_weights(module, query, key, value, attention_mask, scaling, softcap)
+        out, _ = _eager_with_weights(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap)
         return out, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

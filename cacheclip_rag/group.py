@@ -34,7 +34,7 @@ def group(candidates: torch.Tensor, window: int = 8, threshold: int = 5) -> torc
 
 
 def grouped_to_budget(
-    scores: list[torch.Tensor], ratio: float, window: int, threshold: int, exact: bool = True
+    scores: list[torch.Tensor], ratio: float, *, window: int, threshold: int, exact: bool = True
 ) -> list[torch.Tensor]:
     """CacheClip's selection per chunk (bool masks) from token scores [n_c] per chunk.
 

@@ -47,7 +47,7 @@ def kv_layout(lm: LoadedModel) -> tuple[int, int, int]:
 
 def new_cache(lm: LoadedModel, length: int, batch: int = 1) -> BlendedCache:
     layers, kv_heads, head_dim = kv_layout(lm)
-    return BlendedCache.empty(layers, batch, kv_heads, length, head_dim, lm.dtype, lm.device)
+    return BlendedCache.empty(layers, batch, kv_heads, length, head_dim, dtype=lm.dtype, device=lm.device)
 
 
 @dataclass(frozen=True)

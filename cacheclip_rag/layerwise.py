@@ -54,7 +54,7 @@ def cuda_layer_stream(lm: LoadedModel) -> LayerStream | None:
     return CudaLayerStream(lm.device, lm.config.num_hidden_layers)
 
 
-def copy_layerwise(stream: LayerStream, sources: Sequence[ChunkEntry], slots: Sequence[Slot],
+def copy_layerwise(stream: LayerStream, sources: Sequence[ChunkEntry], slots: Sequence[Slot], *,
                    rotate: Callable[[int], None], layers: int) -> None:
     """Queue, layer by layer, every chunk's K/V copy into its slot, then `rotate(layer)`, then mark the
     layer done. Sources are host tensors (pinned on CUDA: the copies are asynchronous DMA)."""
@@ -98,5 +98,5 @@ def load_layerwise(lm: LoadedModel, tier: HostTier, *, texts: Sequence[str], tok
         for (slot_keys, _), delta in zip(slots, deltas):
             rotate_keys_(lm.model, slot_keys, delta, layers=[layer], rotations=rotations)
 
-    copy_layerwise(stream, sources, slots, rotate, lm.config.num_hidden_layers)
+    copy_layerwise(stream, sources, slots, rotate=rotate, layers=lm.config.num_hidden_layers)
     return Loaded(prefix, read)

@@ -82,7 +82,8 @@ def _prefill_ape(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
         rows[: plan.prefix_len] = torch.arange(plan.prefix_len)
         for offset, ids in zip(plan.chunk_offsets, plan.chunk_ids):
             rows[offset:offset + len(ids)] = torch.arange(plan.prefix_len, plan.prefix_len + len(ids))
-        scaling = ChunkScaling(plan.prefix_len, plan.question_start, options.ape_temperature, options.ape_scale, rows)
+        scaling = ChunkScaling(start=plan.prefix_len, stop=plan.question_start, temperature=options.ape_temperature,
+                               scale=options.ape_scale, row_positions=rows)
         slots = plan.question_positions()
         ids = torch.tensor([list(plan.question_ids)])
         logits = forward_at(parts.primary.model, cache, ids, (slots - shift)[None], slots=slots,
@@ -91,12 +92,12 @@ def _prefill_ape(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
                    chunk_scaling=scaling)
 
 
-def _recompute(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace, cache: BlendedCache,
+def _recompute(parts: Parts, plan: Plan, options: RequestOptions, *, trace: Trace, cache: BlendedCache,
                chosen: Selection) -> Prefill:
     """The chosen rows recomputed with the question over the blended cache: the prefill."""
     positions = chosen.positions(plan)
     with trace.stage("recompute"):
-        logits = blend.recompute_and_answer(parts, cache, plan, positions, options)
+        logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
     return Prefill(cache, logits, positions, trace.timings, extra_recomputed=chosen.early)
 
 
@@ -105,7 +106,7 @@ def _load(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace) -> Bl
         return blend.blended_cache(parts, plan, options, options.diagnostics.shared_prefix)
 
 
-def _load_while_aux_selects(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace,
+def _load_while_aux_selects(parts: Parts, plan: Plan, options: RequestOptions, *, trace: Trace,
                             selecting: RequestOptions) -> tuple[BlendedCache, Selection]:
     """The primary's caches loaded (stage "load") while the aux selects under `selecting` in a thread
     (its own seconds go to stage "select"). An aux that is the primary itself shares its stored caches
@@ -130,18 +131,18 @@ def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Pre
     cache picks the budget, after the aux's pick of `aux_share` of it (none at 0) was recomputed."""
     trace = _trace(parts, options)
     if options.selection == "aux":
-        cache, chosen = _load_while_aux_selects(parts, plan, options, trace, options)
-        return _recompute(parts, plan, options, trace, cache, chosen)
+        cache, chosen = _load_while_aux_selects(parts, plan, options, trace=trace, selecting=options)
+        return _recompute(parts, plan, options, trace=trace, cache=cache, chosen=chosen)
     first = None
     if options.aux_share > 0.0 and options.ratio > 0.0:
         stage_one = replace(options, ratio=options.aux_share * options.ratio, selection="aux", aux_share=0.0)
-        cache, first = _load_while_aux_selects(parts, plan, options, trace, stage_one)
+        cache, first = _load_while_aux_selects(parts, plan, options, trace=trace, selecting=stage_one)
         trace.timings.select_s = 0.0  # the aux's stage overlaps the load; the select stage is the question's
     else:
         cache = _load(parts, plan, options, trace)
     with trace.stage("select"):
-        chosen = question_attention(parts, cache, plan, options, first)
-    return _recompute(parts, plan, options, trace, cache, chosen)
+        chosen = question_attention(parts, cache, plan, options, first=first)
+    return _recompute(parts, plan, options, trace=trace, cache=cache, chosen=chosen)
 
 
 def _prefill_cacheblend(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
@@ -150,7 +151,7 @@ def _prefill_cacheblend(parts: Parts, plan: Plan, options: RequestOptions) -> Pr
     cache = _load(parts, plan, options, trace)
     with trace.stage("select"):
         chosen = value_deviation(parts, cache, plan, options)
-    return _recompute(parts, plan, options, trace, cache, chosen)
+    return _recompute(parts, plan, options, trace=trace, cache=cache, chosen=chosen)
 
 
 def _prefill_oracle(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
@@ -159,7 +160,7 @@ def _prefill_oracle(parts: Parts, plan: Plan, options: RequestOptions) -> Prefil
     with trace.stage("select"):
         chosen = oracle_attention(parts, plan, options)
     cache = _load(parts, plan, options, trace)
-    return _recompute(parts, plan, options, trace, cache, chosen)
+    return _recompute(parts, plan, options, trace=trace, cache=cache, chosen=chosen)
 
 
 def _timed(fn: Callable, *args):

@@ -13,7 +13,7 @@ from .recognize import Layout
 from .request import Plan
 
 
-def plan_chunks(lm: LoadedModel, question: str, texts: Sequence[str], options: RequestOptions,
+def plan_chunks(lm: LoadedModel, question: str, texts: Sequence[str], options: RequestOptions, *,
                 system_prompt: str) -> Plan:
     """The engine's own layout: `system_prompt`'s prefix, each chunk with its separator, the question;
     every input checked before any work."""
@@ -31,7 +31,8 @@ def plan_chunks(lm: LoadedModel, question: str, texts: Sequence[str], options: R
     encoded = [lm.encode_with_offsets(chunk_unit(lm, t)) for t in texts]
     chunk_ids = tuple(tuple(ids) for ids, _ in encoded)
     char_spans = tuple(tuple(spans) for _, spans in encoded)
-    plan = Plan(tuple(texts), tuple(prefix_ids), chunk_ids, char_spans, tuple(question_ids), question, system_prompt)
+    plan = Plan(texts=tuple(texts), prefix_ids=tuple(prefix_ids), chunk_ids=chunk_ids, char_spans=char_spans,
+                question_ids=tuple(question_ids), question=question, system_prompt=system_prompt)
     if plan.length + options.max_new_tokens > limit:
         raise ValueError(
             f"blended prompt of {plan.length} tokens plus max_new_tokens={options.max_new_tokens} "
@@ -63,8 +64,9 @@ def plan_layout(lm: LoadedModel, layout: Layout, options: RequestOptions) -> Pla
         else:
             gaps.append(())
             tail = rest
-    plan = Plan(tuple(layout.chunks), tuple(lm.encode_prefix(layout.head)), tuple(chunk_ids), tuple(spans),
-                tuple(lm.encode(tail)), layout.question, FormattedPrefix(layout.head), tuple(bare), tuple(gaps))
+    plan = Plan(texts=tuple(layout.chunks), prefix_ids=tuple(lm.encode_prefix(layout.head)), chunk_ids=tuple(chunk_ids),
+                char_spans=tuple(spans), question_ids=tuple(lm.encode(tail)), question=layout.question,
+                system_prompt=FormattedPrefix(layout.head), bare=tuple(bare), gaps=tuple(gaps))
     if not plan.question_ids:
         raise ValueError("the prompt ends with a stored chunk: nothing follows it to answer")
     if plan.length + options.max_new_tokens > lm.max_context:

@@ -43,7 +43,7 @@ def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch
 
 
 def _slot_mask(
-    lm: LoadedModel, prefix_len: int, lengths: list[int], question_len: int, dtype: torch.dtype
+    lm: LoadedModel, prefix_len: int, lengths: list[int], question_len: int, *, dtype: torch.dtype
 ) -> dict[str, torch.Tensor] | torch.Tensor:
     """Masks [C, 1, Q, P + max_n + Q] for question rows stored after the longest chunk's rows.
 
@@ -88,7 +88,7 @@ def question_tokens(lm: LoadedModel, question: str, answer_prefix: str = "") -> 
 
 def aux_scores(
     aux: LoadedModel, prefix: PrefixCache, entries: Sequence[ChunkEntry], question_ids: Sequence[int],
-    question_rows: torch.Tensor | None = None, model: PreTrainedModel | None = None,
+    *, question_rows: torch.Tensor | None = None, model: PreTrainedModel | None = None,
 ) -> list[torch.Tensor]:
     """Per chunk, a score [n_c] for each of its aux tokens (see module doc), averaged over heads and
     the question rows `question_rows` [Q] (bool; default all). Tokens after the last scored row are
@@ -111,7 +111,7 @@ def aux_scores(
     slots = torch.arange(p + longest, p + longest + q)
     last = aux.config.num_hidden_layers - 1
     probe = AttentionProbe()
-    mask = _slot_mask(aux, p, lengths, q, aux.dtype)
+    mask = _slot_mask(aux, p, lengths, q, dtype=aux.dtype)
     ids = torch.tensor([list(question_ids)] * c)
     forward_at(model or aux.model, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
     weights = probe.weights  # [C, H, Q, K]

@@ -71,7 +71,8 @@ def to_budget(parts: Parts, options: RequestOptions, scores: list[torch.Tensor],
     if not options.diagnostics.grouping:
         return top_k_candidates(scores, ratio)
     config = parts.config
-    return grouped_to_budget(scores, ratio, config.window, config.threshold, options.diagnostics.exact_budget)
+    return grouped_to_budget(scores, ratio, window=config.window, threshold=config.threshold,
+                             exact=options.diagnostics.exact_budget)
 
 
 def question_scores(parts: Parts, cache: BlendedCache, plan: Plan, options: RequestOptions) -> torch.Tensor:
@@ -93,7 +94,7 @@ def question_scores(parts: Parts, cache: BlendedCache, plan: Plan, options: Requ
     return fused / len(probes)
 
 
-def question_attention(parts: Parts, cache: BlendedCache, plan: Plan, options: RequestOptions,
+def question_attention(parts: Parts, cache: BlendedCache, plan: Plan, options: RequestOptions, *,
                        first: Selection | None = None) -> Selection:
     """The default selector over the loaded `cache`: stage 1's rows `first` (the aux's pick, or none)
     recomputed, then the rest of the budget by the question's attention (`question_scores`)."""
@@ -127,7 +128,8 @@ def aux_attention(parts: Parts, plan: Plan, options: RequestOptions) -> Selectio
     if aux is None:
         raise ValueError("cacheclip's aux selection (selection='aux', or aux_share > 0) needs an aux model; set "
                          "EngineConfig.aux, or use the default selection='question', which needs none")
-    prefix, entries = chunk_entries(parts, aux, plan.texts, SHARED, plan.system_prompt, plan.bare or None)
+    prefix, entries = chunk_entries(parts, aux, plan.texts, variant=SHARED, system_prompt=plan.system_prompt,
+                                    bare=plan.bare or None)
     question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)
     skip = 1 if options.diagnostics.shared_prefix else 0
     forced, ratio, boundary = None, options.ratio, options.diagnostics.boundary_tokens
@@ -136,7 +138,7 @@ def aux_attention(parts: Parts, plan: Plan, options: RequestOptions) -> Selectio
         total = sum(len(ids) for ids in plan.chunk_ids)
         ratio = max(0.0, (math.ceil(options.ratio * total - 1e-9) - sum(int(f.sum()) for f in forced)) / total)
     with side_stream(aux.device):  # on a GPU, off the stream that loads the primary's caches
-        scored = (aux_scores(aux, prefix, entries[skip:], question_ids, question_rows, model=parts.aux_scorer)
+        scored = (aux_scores(aux, prefix, entries[skip:], question_ids, question_rows=question_rows, model=parts.aux_scorer)
                   if len(entries) > skip else [])
     scores = [torch.full((entries[0].num_tokens,), float("-inf"))] * skip + scored
     for score, entry, text in zip(scores, entries, plan.texts):

@@ -36,7 +36,7 @@ class CacheClipSynthesizer(BaseSynthesizer):
     them per call. The response's `metadata["cacheclip"]` holds method, ratio, token counts and
     timings (filled when a stream ends)."""
 
-    def __init__(self, engine: Engine | str, options: RequestOptions | None = None, streaming: bool = False,
+    def __init__(self, engine: Engine | str, options: RequestOptions | None = None, *, streaming: bool = False,
                  text_qa_template: PromptTemplate | None = None, callback_manager: CallbackManager | None = None,
                  api_key: str | None = None):
         """`engine`: an in-process `Engine`, or the URL of a running `cacheclip serve` (no model in this
@@ -89,8 +89,9 @@ class CacheClipSynthesizer(BaseSynthesizer):
 
     def with_template(self, template: PromptTemplate, streaming: bool | None = None) -> CacheClipSynthesizer:
         """This synthesizer (engine, options, callbacks) with another QA template (and streaming)."""
-        return CacheClipSynthesizer(self._engine, self._options, self._streaming if streaming is None else streaming,
-                                    template, self._callback_manager)
+        return CacheClipSynthesizer(self._engine, self._options,
+                                    streaming=self._streaming if streaming is None else streaming,
+                                    text_qa_template=template, callback_manager=self._callback_manager)
 
     @staticmethod
     def _checked(template: PromptTemplate) -> PromptTemplate:
@@ -187,7 +188,7 @@ class CacheClipQueryEngine(BaseQueryEngine):
     `metadata` holds the method, ratio, token counts and timings (filled at the end of a stream)."""
 
     def __init__(self, engine: Engine, retriever: BaseRetriever | None = None, options: RequestOptions | None = None,
-                 streaming: bool = False, callback_manager: CallbackManager | None = None):
+                 *, streaming: bool = False, callback_manager: CallbackManager | None = None):
         super().__init__(callback_manager)
         self.engine = engine
         self.retriever = retriever
@@ -196,8 +197,8 @@ class CacheClipQueryEngine(BaseQueryEngine):
 
     def with_options(self, **overrides: Any) -> CacheClipQueryEngine:
         streaming = overrides.pop("streaming", self.streaming)
-        return CacheClipQueryEngine(self.engine, self.retriever, replace(self.options, **overrides), streaming,
-                                    self.callback_manager)
+        return CacheClipQueryEngine(self.engine, self.retriever, replace(self.options, **overrides), streaming=streaming,
+                                    callback_manager=self.callback_manager)
 
     def query(self, str_or_query_bundle: str | QueryBundle, **overrides: Any):  # type: ignore[override]
         if overrides:

@@ -41,7 +41,7 @@ def test_chunk_scaled_attention_matches_the_two_block_formula(temperature, scale
     mask = torch.zeros(b, 1, tq, n)
     mask[..., -2:] = torch.finfo(torch.float32).min  # rows the queries may not see
     chunks = ChunkScaling(start=4, stop=15, temperature=temperature, scale=scale)
-    out = chunk_scaled_attention(q, k, v, mask, d**-0.5, None, chunks)
+    out = chunk_scaled_attention(q, k, v, mask, scaling=d**-0.5, softcap=None, chunks=chunks)
     ref = _two_block_reference(q, k, v, mask, d**-0.5, chunks)
     assert max_diff(out, ref) < 1e-5
     plain = torch.softmax((q @ k.transpose(-1, -2)) * d**-0.5 + mask, -1) @ v

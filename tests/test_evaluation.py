@@ -162,12 +162,12 @@ def test_spread_keeps_each_token_mass_on_its_characters():
 def test_char_attention_is_the_same_map_for_the_same_model():
     lm = tiny_model("llama")
     texts = ["alpha beta gamma delta. " * 3, "epsilon zeta eta. " * 2]
-    maps = char_attention(lm, "Be brief.", texts, "what is zeta?", (0, 1))
+    maps = char_attention(lm, "Be brief.", texts, "what is zeta?", layers=(0, 1))
     assert set(maps) == {0, 1}
     for chars in maps.values():
         assert chars.numel() == sum(len(t) for t in texts)
         assert (chars >= 0).all() and 0 < chars.sum() < 1  # the prefix and question hold the rest
-    again = char_attention(lm, "Be brief.", texts, "what is zeta?", (0, 1))
+    again = char_attention(lm, "Be brief.", texts, "what is zeta?", layers=(0, 1))
     assert compare(maps[1], again[1])["jaccard"] == 1.0
 
 
@@ -203,7 +203,7 @@ def test_runner_ratio_one_reproduces_full_and_report_is_written(make_engine, tmp
             assert replace(by_pair[(r.seed, "same_last vs pri_last")], pair=r.pair) == r
     with pytest.raises(ValueError, match="'aux' names the engine's own aux"):
         runner.alignment_study(engine, (160,), other_auxes={"aux": engine.aux})
-    paths = report.write(tmp_path / "eval", records, rows, maps, {"profile": "test"}, 1.0)
+    paths = report.write(tmp_path / "eval", records, alignment=rows, maps=maps, meta={"profile": "test"}, headline_ratio=1.0)
     text = paths["markdown"].read_text()
     assert "| cacheclip @ 1 | 2 |" in text and "Efficiency breakdown" in text and "Jaccard" in text
     assert "Paired differences" in text and "| 160 | 1 | cacheblend | tf_kl | 2 |" in text

@@ -101,8 +101,8 @@ def test_exact_budget_fills_whole_windows_up_to_the_ratio():
         ratio = float(torch.rand(1, generator=g)) * 0.6
         total = sum(s.numel() for s in scores)
         budget = math.ceil(ratio * total - 1e-9)
-        exact = grouped_to_budget(scores, ratio, 8, 5)
-        nominal = grouped_to_budget(scores, ratio, 8, 5, exact=False)
+        exact = grouped_to_budget(scores, ratio, window=8, threshold=5)
+        nominal = grouped_to_budget(scores, ratio, window=8, threshold=5, exact=False)
         assert not exact[0].any() and not nominal[0].any()
         assert [torch.equal(a, group(c, 8, 5)) for a, c in zip(nominal, top_k_candidates(scores, ratio))] == [True] * 4
         got = sum(int(m.sum()) for m in exact)

@@ -25,7 +25,7 @@ def test_batched_stored_kv_scores_equal_plain_full_attention_forward(tiny, make_
     attention of a plain eager forward of prefix + chunk_i + question with output_attentions."""
     engine = make_engine(tiny)
     aux = engine.aux
-    prefix, entries = chunk_entries(engine.parts, aux, CHUNKS, SHARED)
+    prefix, entries = chunk_entries(engine.parts, aux, CHUNKS, variant=SHARED)
     question_ids = aux.encode(aux.prompt.question(QUESTION))
     scores = aux_scores(aux, prefix, entries, question_ids)
 
@@ -84,7 +84,7 @@ def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make
 
     engine = make_engine(tiny_model("qwen2"))
     aux = engine.aux
-    prefix, entries = chunk_entries(engine.parts, aux, CHUNKS, SHARED)
+    prefix, entries = chunk_entries(engine.parts, aux, CHUNKS, variant=SHARED)
     ids, own = question_tokens(aux, QUESTION, " The special magic number is")
     run_rows, real = [], select.forward_at
 
@@ -93,7 +93,7 @@ def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make
         return real(model, cache, ids_, *args, **kwargs)
 
     monkeypatch.setattr(select, "forward_at", counting)
-    scores = aux_scores(aux, prefix, entries, ids, own)
+    scores = aux_scores(aux, prefix, entries, ids, question_rows=own)
     keep = int(torch.nonzero(own).max()) + 1
     assert run_rows == [keep] and keep < len(ids)
     for text, got in zip(CHUNKS, scores):

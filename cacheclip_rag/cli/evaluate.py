@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         meta["merged"] = ", ".join(f"{folder} ({len(rows)} rows)" for folder, rows in merged) + \
             ": same samples, their shared rows checked equal"
         records = runner.merge_runs([(str(out), records), *merged])
-    paths = report.write(out, records, alignment, maps, meta, profile.headline_ratio)
+    paths = report.write(out, records, alignment=alignment, maps=maps, meta=meta, headline_ratio=profile.headline_ratio)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

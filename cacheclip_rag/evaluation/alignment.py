@@ -20,7 +20,7 @@ from ..recompute import forward_at
 
 
 def char_attention(
-    lm: LoadedModel, system_prompt: str, texts: Sequence[str], question: str, layers: Sequence[int]
+    lm: LoadedModel, system_prompt: str, texts: Sequence[str], question: str, *, layers: Sequence[int]
 ) -> dict[int, torch.Tensor]:
     """Per layer, the last prompt token's attention over the characters of `texts` joined: [sum len(text)]."""
     use_cacheclip_attention(lm.model)

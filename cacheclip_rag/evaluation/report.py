@@ -69,7 +69,8 @@ def estimate(records: Sequence[Record]) -> Estimates:
     rows = _sorted_rows(body["rows"])
     diffs = differences(records)
     per_length = {length: quality(records, length, diffs, rows) for length in sorted({r.length for r in records})}
-    return Estimates(body, rows, diffs, per_length, sorted({r.task for r in records}, key=lambda t: ("single" not in t, t)))
+    return Estimates(summary=body, rows=rows, diffs=diffs, quality=per_length,
+                     tasks=sorted({r.task for r in records}, key=lambda t: ("single" not in t, t)))
 
 
 def markdown(records: Sequence[Record], alignment: Sequence[AlignmentRow], headline_ratio: float,
@@ -322,7 +323,7 @@ def _ratio_of_means(pairs: Sequence[tuple[float, float]], resamples: int = 10_00
             "high": float(np.quantile(ratios, 0.975)), "n": int(len(a))}
 
 
-def write(out_dir: Path, records: Sequence[Record], alignment: Sequence[AlignmentRow], maps: dict,
+def write(out_dir: Path, records: Sequence[Record], *, alignment: Sequence[AlignmentRow], maps: dict,
           meta: dict, headline_ratio: float) -> dict[str, Path]:
     """results.json, report.md and the PNGs into `out_dir`; returns their paths by name."""
     out_dir.mkdir(parents=True, exist_ok=True)

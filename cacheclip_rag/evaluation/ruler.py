@@ -226,11 +226,14 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
         preamble = ruler_wording(asked, spec.value_kind)[0]
         question = (f"Which has the larger special magic number, {asked[0]} or {asked[1]}? Compare the special "
                     f"magic {values} for the two mentioned in the provided text.")
-        return Sample(task, seed, target_tokens, tuple(sentences), tuple(needles), question,
-                      " The one with the larger special magic number is", (larger.key,), preamble, (smaller.key,))
+        return Sample(task=task, seed=seed, target_tokens=target_tokens, sentences=tuple(sentences),
+                      needles=tuple(needles), question=question,
+                      answer_prefix=" The one with the larger special magic number is", references=(larger.key,),
+                      preamble=preamble, wrong=(smaller.key,))
     preamble, question, prefix = ruler_wording(asked, spec.value_kind)
     references = tuple(n.value for n in needles if n.key in asked)
-    return Sample(task, seed, target_tokens, tuple(sentences), tuple(needles), question, prefix, references, preamble)
+    return Sample(task=task, seed=seed, target_tokens=target_tokens, sentences=tuple(sentences), needles=tuple(needles),
+                  question=question, answer_prefix=prefix, references=references, preamble=preamble)
 
 
 def _parse_needle(sentence: str) -> Needle:

@@ -62,7 +62,7 @@ def ruler_engine(engine: Engine, sample: ruler.Sample) -> Engine:
     return view
 
 
-def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOptions, references, started: float,
+def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOptions, *, references, started: float,
                            wrong: tuple[str, ...] = ()):
     """Greedy decode that ends once every reference is in the output (the score cannot change after)."""
     stream = engine.decode(plan, prefill, options, started)
@@ -95,8 +95,8 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
         started = time.perf_counter()
         plan = engine.plan(sample.question, chunks, options)
         prefill = engine.prefill(plan, options)
-        text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, sample.references, started,
-                                                       sample.wrong)
+        text, tokens, timings = _answer_until_complete(engine, plan, prefill, options, references=sample.references,
+                                                       started=started, wrong=sample.wrong)
         return plan, prefill, text, tokens, timings
 
     plan, full_prefill, full_text, full_tokens, full_timings = measure(VARIANTS["full"], None)

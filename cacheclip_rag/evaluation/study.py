@@ -59,8 +59,9 @@ def alignment_study(engine: Engine, lengths: Sequence[int], seed: int = 0, sampl
     for length, sample_seed in tqdm(jobs, desc="alignment", disable=not progress, unit="sample"):
         sample = ruler.generate("single2", length, sample_seed, count)
         chunks = ruler.sample_chunks(sample, count)
-        primary = char_attention(engine.primary, system, chunks, sample.question, tuple(sorted({0, first_global, last})))
-        auxes = {name: char_attention(model, system, chunks, sample.question, (last_of(model),))[last_of(model)]
+        primary = char_attention(engine.primary, system, chunks, sample.question,
+                                 layers=tuple(sorted({0, first_global, last})))
+        auxes = {name: char_attention(model, system, chunks, sample.question, layers=(last_of(model),))[last_of(model)]
                  for name, model in {"aux": engine.aux, **(other_auxes or {})}.items()}
         pairs = [(f"{name}_last vs pri_last", chars) for name, chars in auxes.items()]
         pairs.append(("pri_first vs pri_last", primary[0]))

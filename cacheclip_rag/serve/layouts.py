@@ -95,19 +95,20 @@ def selection_for(engine: Engine, found: Layout, options: RequestOptions) -> Req
     return replace(options, selection="aux", aux_share=0.0)
 
 
-def _recognised(engine: Engine, index: Scope, prompt: str, question: str, options: RequestOptions,
+def _recognised(engine: Engine, index: Scope, prompt: str, *, question: str, options: RequestOptions,
                 messages: tuple[dict, ...] = ()) -> Planned:
     t0 = time.perf_counter()
     matches = index.find(prompt)
     recognise_s = time.perf_counter() - t0
     if not matches:
-        return Planned(None, prompt, options, 0, recognise_s)
+        return Planned(None, prompt, options, chunks_recognised=0, recognise_s=recognise_s)
     found = layout(prompt, matches, question)
     if messages:  # the question the aux scores against: the user's words, not the pasted chunks
         found = replace(found, question=_question(messages, tuple(prompt[m.start : m.stop] for m in matches)))
         options = selection_for(engine, found, options)
     try:
-        return Planned(plan_layout(engine.primary, found, options), None, options, len(matches), recognise_s)
+        return Planned(plan_layout(engine.primary, found, options), None, options, chunks_recognised=len(matches),
+                       recognise_s=recognise_s)
     except ValueError as err:
         raise APIError(400, str(err), code="context_length_exceeded" if "context" in str(err) else None) from None
 
@@ -123,7 +124,8 @@ def plan_chat(scope: Scope, request: ChatRequest, defaults: Defaults) -> Planned
                            options, len(request.generation.documents))
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-    return _recognised(engine, scope, render_chat(engine, messages), messages[-1]["content"], options, messages)
+    return _recognised(engine, scope, render_chat(engine, messages), question=messages[-1]["content"], options=options,
+                       messages=messages)
 
 
 def plan_completion(scope: Scope, request: CompletionRequest, defaults: Defaults) -> Planned:
@@ -134,4 +136,4 @@ def plan_completion(scope: Scope, request: CompletionRequest, defaults: Defaults
                            len(request.generation.documents))
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-    return _recognised(engine, scope, request.prompt, request.prompt[-500:], options)
+    return _recognised(engine, scope, request.prompt, question=request.prompt[-500:], options=options)

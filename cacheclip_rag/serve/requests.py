@@ -119,7 +119,7 @@ def check_fields(body: dict, known: set[str]) -> None:
                            f"{_DEFAULT_ONLY[name][-1]!r})", name, "unsupported_parameter")
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+def _number(body: dict, name: str, default: float, *, low: float, high: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
@@ -187,10 +187,10 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
     method = ours.get("method")
     if method is not None and method not in methods:
         raise APIError(400, f"'cacheclip.method' must be one of {', '.join(methods)}, got {method!r}", "cacheclip.method")
-    ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, 0.0, 1.0)
+    ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, low=0.0, high=1.0)
     selection, aux_share = _selection(ours)
-    return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
-                      top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), stop=_strings(body.get("stop"), "stop", 4),
+    return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, low=0.0, high=2.0),
+                      top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0), stop=_strings(body.get("stop"), "stop", 4),
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
                       documents=documents, cache_salt=salt, method=method, ratio=ratio, selection=selection,
                       aux_share=aux_share)
@@ -203,13 +203,13 @@ def _selection(ours: dict) -> tuple[str | None, float | None]:
     if selection is not None and selection not in SELECTIONS:
         raise APIError(400, f"'cacheclip.selection' must be one of {', '.join(SELECTIONS)}, got {selection!r}",
                        "cacheclip.selection")
-    aux_share = None if ours.get("aux_share") is None else _number(ours, "aux_share", 0.0, 0.0, 1.0)
+    aux_share = None if ours.get("aux_share") is None else _number(ours, "aux_share", 0.0, low=0.0, high=1.0)
     if "requery" in ours:
         if selection is not None or aux_share is not None:
             raise APIError(400, "give 'requery' (deprecated) or 'selection'/'aux_share', not both", "requery")
         if ours["requery"] is None:
             return "aux", None
-        return "question", _number(ours, "requery", 0.0, 0.0, 1.0)
+        return "question", _number(ours, "requery", 0.0, low=0.0, high=1.0)
     return selection, aux_share
 
 

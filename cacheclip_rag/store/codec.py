@@ -67,7 +67,7 @@ def _convert_serially(src: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor 
                 out.copy_(piece.float().mul_(factor))
 
 
-def _copy_cpu(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst: torch.Tensor,
+def _copy_cpu(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst: torch.Tensor, *,
               scale: memoryview | None) -> None:
     if stored == dst.dtype:
         np.copyto(_bits(dst), _stored_bits(raw, stored, shape))  # a memcpy
@@ -80,7 +80,7 @@ def _copy_cpu(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst:
     _convert_serially(source, dst, factor)
 
 
-def copy_into(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst: torch.Tensor,
+def copy_into(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst: torch.Tensor, *,
               scale: memoryview | None = None) -> None:
     """Decode elements [L, KV, T, D] stored as `stored` (float8: with their float32 scales per channel,
     `scale`) from `raw` into `dst`, a tensor or view of that shape in any dtype, device and strides.
@@ -89,7 +89,7 @@ def copy_into(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst:
     if tuple(dst.shape) != tuple(shape):
         raise ValueError(f"destination {tuple(dst.shape)} does not fit an entry of shape {list(shape)}")
     if dst.device.type == "cpu":
-        _copy_cpu(raw, shape, stored, dst, scale)
+        _copy_cpu(raw, shape, stored, dst, scale=scale)
         return
     if dst.device.type == "cuda":
         staged = _STAGING.stage(raw, stored, shape)
@@ -111,13 +111,13 @@ def copy_into(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dst:
     dst.copy_(source)
 
 
-def tensor_from_payload(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, dtype: torch.dtype,
+def tensor_from_payload(raw: memoryview, shape: tuple[int, ...], stored: torch.dtype, *, dtype: torch.dtype,
                         device: torch.device | str, scale: memoryview | None = None, pin: bool = False) -> torch.Tensor:
     """A new tensor [L, KV, T, D] of `dtype` on `device` (pinned host memory when `pin`), decoded from
     `raw` in one copy."""
     device = torch.device(device)
     out = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin and device.type == "cpu")
-    copy_into(raw, shape, stored, out, scale)
+    copy_into(raw, shape, stored, out, scale=scale)
     return out
 
 

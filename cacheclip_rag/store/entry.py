@@ -138,8 +138,8 @@ def encode_entry(fingerprint: str, entry: ChunkEntry, key: bytes = b"") -> bytes
     }
     if entry.model:
         header["model"] = entry.model
-    view = EntryView(header, memoryview(payload), keys.dtype, tuple(keys.shape), tuple(entry.token_ids),
-                     tuple(tuple(o) for o in entry.offsets))
+    view = EntryView(header, memoryview(payload), dtype=keys.dtype, shape=tuple(keys.shape),
+                     token_ids=tuple(entry.token_ids), offsets=tuple(tuple(o) for o in entry.offsets))
     try:
         check_values(view.key_bytes, view.value_bytes, view.dtype, view.scale_bytes)
     except CorruptEntryError as err:
@@ -198,15 +198,17 @@ class EntryView:
                pin: bool = False) -> ChunkEntry:
         """The entry as new tensors on `device` in `dtype` (default its decoded dtype); one copy."""
         dtype = dtype or self.decoded_dtype
-        keys = tensor_from_payload(self.key_bytes, self.shape, self.dtype, dtype, device, self._scale(0), pin)
-        values = tensor_from_payload(self.value_bytes, self.shape, self.dtype, dtype, device, self._scale(1), pin)
+        keys = tensor_from_payload(self.key_bytes, self.shape, self.dtype, dtype=dtype, device=device,
+                                   scale=self._scale(0), pin=pin)
+        values = tensor_from_payload(self.value_bytes, self.shape, self.dtype, dtype=dtype, device=device,
+                                     scale=self._scale(1), pin=pin)
         return ChunkEntry(keys=keys, values=values, token_ids=self.token_ids, offsets=self.offsets, model=self.model,
                           stored_dtype=FP8 if self.dtype == FP8 else None)
 
     def copy_into(self, slot: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Decode keys and values into `slot` ([L, KV, T, D] views of any dtype, device, strides)."""
-        copy_into(self.key_bytes, self.shape, self.dtype, slot[0], self._scale(0))
-        copy_into(self.value_bytes, self.shape, self.dtype, slot[1], self._scale(1))
+        copy_into(self.key_bytes, self.shape, self.dtype, slot[0], scale=self._scale(0))
+        copy_into(self.value_bytes, self.shape, self.dtype, slot[1], scale=self._scale(1))
 
     def _scale(self, i: int) -> memoryview | None:
         scales = self.scale_bytes
@@ -296,7 +298,7 @@ def parse_entry(raw: memoryview | bytes, fingerprint: str | None = None, key: by
         raise StoreError(f"entry has format version {version!r}; this library reads versions "
                          f"{', '.join(map(str, READABLE_VERSIONS))} (rebuild the store with `cacheclip ingest`)")
     dtype, shape, token_ids, offsets = _layout(header, len(payload))
-    view = EntryView(header, payload, dtype, shape, token_ids, offsets)  # type: ignore[arg-type]
+    view = EntryView(header, payload, dtype=dtype, shape=shape, token_ids=token_ids, offsets=offsets)  # type: ignore[arg-type]
     check_identity(view, fingerprint, key)
     if not checked and scan_values:
         check_values(view.key_bytes, view.value_bytes, view.dtype, view.scale_bytes)

@@ -241,7 +241,7 @@ class LMDBStore(Opening, Maintenance, Owners):
             if tuple(key_slot.shape) != view.shape or tuple(value_slot.shape) != view.shape:
                 raise CorruptEntryError(misfit(view.shape, slots[i]))
             view.copy_into(slots[i])
-            return ChunkEntry(key_slot, value_slot, view.token_ids, view.offsets, view.model)
+            return ChunkEntry(key_slot, value_slot, token_ids=view.token_ids, offsets=view.offsets, model=view.model)
 
         return self._read(keys, fingerprint, use)
 

@@ -228,7 +228,7 @@ class RedisStore:
             if tuple(slots[i][0].shape) != view.shape or tuple(slots[i][1].shape) != view.shape:
                 raise CorruptEntryError(misfit(view.shape, slots[i]))
             view.copy_into(slots[i])
-            return ChunkEntry(slots[i][0], slots[i][1], view.token_ids, view.offsets, view.model)
+            return ChunkEntry(slots[i][0], slots[i][1], token_ids=view.token_ids, offsets=view.offsets, model=view.model)
 
         return self._decoded(keys, fingerprint, use)
 
@@ -318,7 +318,7 @@ class RedisStore:
 
     def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
         record = json.dumps({"keys": [k.hex() for k in dict.fromkeys(keys)], "group": group}).encode()
-        if not self._call(self.client.set, self._owner(owner), record, None, None, True):  # NX: retained already
+        if not self._call(lambda: self.client.set(self._owner(owner), record, nx=True)):  # retained already
             return
         pipe = self.client.pipeline(transaction=True)
         for key in dict.fromkeys(keys):

@@ -49,7 +49,7 @@ def fit_all_at_once(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Ten
     return acc.solve(ridge)
 
 
-def select_layers(source: Sequence[KVText], target: Sequence[KVText], aligned: Sequence[torch.Tensor],
+def select_layers(source: Sequence[KVText], target: Sequence[KVText], aligned: Sequence[torch.Tensor], *,
                   top_k: int, ridge: float) -> tuple[list[list[int]], torch.Tensor]:
     """Per target layer, the top-k source layers by single-layer R² (keys and values averaged).
     Returns the choice and the R² matrix [L_target, L_source]."""

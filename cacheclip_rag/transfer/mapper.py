@@ -163,7 +163,7 @@ def calibrate(source: LoadedModel, target: LoadedModel, texts: Sequence[str], co
 
     selection = [pair(t) for t in fit_texts[: config.select_texts]]
     layers, _ = select_layers([s for s, _, _ in selection], [t for _, t, _ in selection],
-                              [a for _, _, a in selection], config.top_k, config.ridge)
+                              [a for _, _, a in selection], top_k=config.top_k, ridge=config.ridge)
     width_src = kv_layout(source)[1] * kv_layout(source)[2]
     width_tgt = kv_layout(target)[1] * kv_layout(target)[2]
     acc_k = [RidgeAccumulator(len(c) * width_src + 1, width_tgt) for c in layers]
@@ -186,8 +186,10 @@ def calibrate(source: LoadedModel, target: LoadedModel, texts: Sequence[str], co
     for text in fit_texts[config.select_texts :]:
         accumulate(*pair(text))
     mapper = Mapper(
-        source.fingerprint.digest, target.fingerprint.digest, kv_layout(source), kv_layout(target), layers,
-        [a.solve(config.ridge) for a in acc_k], [a.solve(config.ridge) for a in acc_v], config.ridge, config.min_r2,
+        source_fingerprint=source.fingerprint.digest, target_fingerprint=target.fingerprint.digest,
+        source_layout=kv_layout(source), target_layout=kv_layout(target), layers=layers,
+        key_weights=[a.solve(config.ridge) for a in acc_k], value_weights=[a.solve(config.ridge) for a in acc_v],
+        ridge=config.ridge, min_r2=config.min_r2,
     )
     if config.mlp_hidden:
         sk, sv, tk, tv = (torch.cat(parts, dim=1) for parts in zip(*kept))

@@ -154,5 +154,6 @@ def migrate(store, source: LoadedModel, target: LoadedModel, mapper: Mapper, tex
         )
         store.put(target_key, target.fingerprint.digest, ChunkEntry(keys, values, tuple(ids), tuple(offsets)))
         moved += 1
-    return MigrationReport(moved, present, missing, min(mapper.validation["key_r2"]),
-                           min(mapper.validation["value_r2"]), time.perf_counter() - started)
+    return MigrationReport(moved=moved, already_present=present, missing=missing,
+                           weakest_key_r2=min(mapper.validation["key_r2"]),
+                           weakest_value_r2=min(mapper.validation["value_r2"]), seconds=time.perf_counter() - started)
