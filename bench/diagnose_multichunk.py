@@ -116,6 +116,35 @@ def diagnose(engine: Engine, sample: ruler.Sample, ratio: float, count) -> dict:
     return row
 
 
+def report(rows: list[dict], count) -> dict:
+    """The diagnosis in numbers: per condition, full's complete lists kept (with a Wilson interval); the
+    default's coverage of the value sentences; and, where the default drops a value, which one (the
+    earliest in the context? in chunk 0, which is exact behind the prefix?)."""
+    from cacheclip_rag.evaluation.stats import wilson_interval
+
+    cases = [r for r in rows if r["full_solved"]]
+    out = {"n": len(cases), "conditions": {}, "dropped": []}
+    for name in CONDITIONS:
+        kept = sum(r[name]["solved"] for r in cases)
+        interval = wilson_interval(kept, len(cases))
+        out["conditions"][name] = {"kept": kept, "share": interval.mean, "low": interval.low, "high": interval.high,
+                                   "recomputed_mean": sum(r[name]["recomputed"] for r in cases) / max(1, len(cases))}
+    coverage = [r["default"]["coverage"] for r in cases]
+    out["coverage"] = {"mean": sum(coverage) / max(1, len(coverage)), "min": min(coverage, default=0.0)}
+    for r in cases:
+        if r["default"]["solved"]:
+            continue
+        sample = ruler.generate(r["task"], r["length"], r["seed"], count)
+        chunks = ruler.sample_chunks(sample, count)
+        order = sorted(sample.references, key=sample.context.index)
+        missing = [v for v in order if v not in r["default"]["output"]]
+        out["dropped"].append({"task": r["task"], "seed": r["seed"],
+                               "chunks_of_values": [[i for i, c in enumerate(chunks) if v in c] for v in order],
+                               "missing": missing, "missing_is_first": bool(missing) and missing[0] == order[0],
+                               "fixed_by": [n for n in CONDITIONS[1:] if r[n]["solved"]]})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="an evaluation folder of --profile multichunk (its records pick the cases)")
@@ -124,7 +153,16 @@ def main() -> int:
     ap.add_argument("--primary", default="qwen2.5-coder-0.5b")
     ap.add_argument("--store", default="/tmp/cacheclip-diagnose-store")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multichunk_diagnosis.jsonl")
+    ap.add_argument("--report", type=Path, default=None, help="summarise --out's rows into this JSON, run nothing")
     args = ap.parse_args()
+    if args.report is not None:
+        engine = Engine.from_config(EngineConfig(primary=args.primary, aux=None, store_path=args.store))
+        rows = [json.loads(line) for line in args.out.read_text().splitlines()]
+        summary = report([r for r in rows if r["length"] == args.length and r["ratio"] == args.ratio],
+                         token_counter(engine))
+        args.report.write_text(json.dumps(summary, indent=1) + "\n")
+        print(json.dumps(summary, indent=1))
+        return 0
     cases = []
     for line in (args.run / "records.jsonl").read_text().splitlines():
         rows = json.loads(line)
