@@ -51,6 +51,8 @@ class Engine:
     kernel: SelectedRowsKernel | None | str = "auto"
     # the stream a layer-wise load runs on (behind a host tier): CUDA's by default, none on a CPU
     layer_stream: Callable[[LoadedModel], LayerStream | None] = cuda_layer_stream
+    # the recogniser of stored chunks in prompts (`stream_prompt`), built on first use
+    _index: StoreIndex | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kernel == "auto":
@@ -108,8 +110,10 @@ class Engine:
             precompute(self.aux, self.store, texts, prefix, variant=SHARED, batch_size=batch, progress=progress,
                        store_dtype=blend.store_dtype(parts, self.aux), bare=bare)
         self.store.remember_texts(texts)  # a server finds these texts inside its clients' prompts
-        for i, owner in enumerate(owners or ()):
-            self.store.retain(owner, self._chunk_keys(texts[i]), None if groups is None else groups[i])
+        if owners is not None:
+            key_sets = self._chunk_keys(texts)
+            for i, owner in enumerate(owners):
+                self.store.retain(owner, key_sets[i], None if groups is None else groups[i])
         return keys
 
     def owners_of(self, group: str) -> list[str]:
@@ -121,16 +125,14 @@ class Engine:
         how many entries went."""
         return len(self.store.release(owners, group))
 
-    def _chunk_keys(self, text: str) -> list[bytes]:
-        """Every key a chunk's caches can be stored under: the primary's (behind the shared prefix, and
-        alone for `direct`) and the aux's."""
-        keys = []
-        for lm, variants in ((self.primary, (SHARED, DIRECT)), (self.aux, (SHARED,))):
-            if lm is None:
-                continue
-            prefix_ids = lm.encode_prefix(lm.prompt.prefix(self.config.system_prompt))
-            keys += [chunk_key(lm, prefix_ids, text, variant) for variant in variants]
-        return list(dict.fromkeys(keys))
+    def _chunk_keys(self, texts: Sequence[str]) -> list[list[bytes]]:
+        """Per text, every key its caches can be stored under: the primary's (behind the shared prefix, and
+        alone for `direct`) and the aux's. Each model's prefix is tokenized once."""
+        models = [(lm, lm.encode_prefix(lm.prompt.prefix(self.config.system_prompt)), variants)
+                  for lm, variants in ((self.primary, (SHARED, DIRECT)), (self.aux, (SHARED,))) if lm is not None]
+        return [list(dict.fromkeys(chunk_key(lm, prefix_ids, text, variant)
+                                   for lm, prefix_ids, variants in models for variant in variants))
+                for text in texts]
 
     # ---- request path: plan -> prefill -> decode ---------------------------------------------
 
@@ -177,7 +179,7 @@ class Engine:
         user's words alone, for the aux's selection pass (default: the prompt's text after its last chunk)."""
         options = options or RequestOptions()
         started = time.perf_counter()
-        if getattr(self, "_index", None) is None:
+        if self._index is None:
             self._index = StoreIndex(self.store)
         matches = self._index.find(prompt)
         if not matches:

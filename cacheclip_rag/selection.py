@@ -57,9 +57,6 @@ class Selection:
     def positions(self, plan: Plan) -> torch.Tensor:
         return positions_of(plan, self.rows)
 
-    def __or__(self, other: Selection) -> Selection:
-        return Selection(tuple(a | b for a, b in zip(self.rows, other.rows)), self.early + other.early)
-
 
 def none_of(plan: Plan) -> Selection:
     return Selection(tuple(torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids))
