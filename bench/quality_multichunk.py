@@ -72,8 +72,9 @@ def table(samples: list[list[dict]]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| length | method | ratio | full's complete lists (n) | kept strictly, Wilson 95% | partial credit on them, "
-           "bootstrap 95% | teacher-forced KL | TTFT speed-up |", "|---|---|---|---|---|---|---|---|"]
+    header = ("| length | method | ratio | full's complete lists (n) | kept strictly, Wilson 95% | partial credit on "
+              "them, bootstrap 95% | teacher-forced KL | TTFT speed-up |")
+    out = [header, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, p, k = r["strict_retention"], r["partial_retention"], r["tf_kl"]
         out.append(f"| {r['length']} | {r['label']} | {r['ratio'] if r['ratio'] is not None else '—'} | {r['n']} | "

@@ -1,0 +1,187 @@
+"""Remedies for multi-chunk answers (issue 54), each run on every case of an evaluation folder where `full`
+lists every value, over the same blended cache the default loads; strict solves paired against the default's
+answer in the folder's records (`cacheclip_requery` at ratio 0.2).
+
+Conditions (comma-separated):
+- `ratio_R`: the default selection at ratio R (what ratio keeps the lists?);
+- `backfill_L`: the default's scores, each row ranked by the best score within the next L rows of its chunk
+  (and the 4 before it), at the same ratio: the budget goes to the picked sentences' preceding context;
+- `preceding` / `following`: the default's rows plus every row of each value chunk before (after) its value
+  sentence, a diagnosis that knows where the values are (not a method).
+
+    python bench/multichunk_candidates.py bench/eval-multichunk --conditions ratio_0.3,ratio_0.5,backfill_32 \
+        --out bench/results/multichunk_candidates.jsonl
+    python bench/multichunk_candidates.py bench/eval-multichunk --report bench/results/multichunk_candidates.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from diagnose_multichunk import answer, value_rows  # noqa: E402
+
+from cacheclip_rag import blend  # noqa: E402
+from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.evaluation import ruler  # noqa: E402
+from cacheclip_rag.evaluation.runner import decode_budget, ruler_engine, token_counter  # noqa: E402
+from cacheclip_rag.evaluation.stats import sign_test, wilson_interval  # noqa: E402
+from cacheclip_rag.request import Prefill, Timings  # noqa: E402
+from cacheclip_rag.selection import SEPARATOR, question_scores, to_budget  # noqa: E402
+
+DEFAULT = "cacheclip_requery"
+
+
+def backfilled(score: torch.Tensor, reach: int, before: int = 4) -> torch.Tensor:
+    """Each row's rank key: the best score from `before` rows before it to `reach` rows after it, plus a
+    thousandth of its own score (so a run ties-breaks toward its peak)."""
+    n = score.numel()
+    padded = torch.cat([torch.full((before,), float("-inf")), score, torch.full((reach,), float("-inf"))])
+    windows = padded.unfold(0, before + reach + 1, 1)[:n]
+    return windows.max(dim=1).values + 1e-3 * score
+
+
+def backfill_rows(engine: Engine, plan, options: RequestOptions, reach: int) -> tuple[object, list[torch.Tensor]]:
+    parts = engine.parts
+    cache = blend.blended_cache(parts, plan, options, shared=True)
+    scores = question_scores(parts, cache, plan, options)
+    per_chunk = []
+    for c, (a, b) in enumerate(plan.chunk_rows()):
+        score = torch.full((b - a,), float("-inf")) if c == 0 else backfilled(scores[a:b].clone(), reach)
+        if c:
+            score[plan.separators(c)] = SEPARATOR
+        per_chunk.append(score)
+    return cache, to_budget(parts, options, per_chunk, options.ratio)
+
+
+def decode_until_complete(engine: Engine, plan, prefill, options: RequestOptions, sample: ruler.Sample) -> str:
+    text = ""
+    for piece in engine.decode(plan, prefill, options):
+        text += piece
+        if ruler.score(text, sample.references, sample.wrong) == 1.0:
+            break
+    return text
+
+
+def around(values: list[torch.Tensor], side: str) -> list[torch.Tensor]:
+    """Per chunk, every row before the end (`preceding`) or after the start (`following`) of its value rows."""
+    out = []
+    for v in values:
+        marks = torch.zeros_like(v)
+        at = torch.nonzero(v).flatten()
+        if at.numel():
+            if side == "preceding":
+                marks[: int(at.max()) + 1] = True
+            else:
+                marks[int(at.min()):] = True
+        out.append(marks)
+    return out
+
+
+def run_condition(engine: Engine, sample: ruler.Sample, chunks: list[str], condition: str, budget: int) -> dict:
+    ratio = float(condition.split("_", 1)[1]) if condition.startswith("ratio_") else 0.2
+    options = RequestOptions(method="cacheclip", ratio=ratio, max_new_tokens=budget,
+                             answer_prefix=sample.answer_prefix, prompt_stops=False)
+    plan = engine.plan(sample.question, chunks, options)
+    if condition.startswith("backfill_"):
+        cache, rows = backfill_rows(engine, plan, options, int(condition.split("_", 1)[1]))
+        positions = blend.positions_of(plan, rows)
+        logits = blend.recompute_and_answer(engine.parts, cache, plan, positions, options=options)
+        prefill = Prefill(cache, logits, positions, Timings())
+        text = decode_until_complete(engine, plan, prefill, options, sample)
+    elif condition in ("preceding", "following"):
+        values = value_rows(plan, sample)
+        values[0] = torch.zeros_like(values[0])  # chunk 0 is exact behind the prefix
+        text, prefill, _ = answer(engine, plan, options, around(values, condition), sample)
+    elif condition.startswith("ratio_"):
+        text, prefill, _ = answer(engine, plan, options, None, sample)
+    else:
+        raise ValueError(f"unknown condition {condition!r}: ratio_R, backfill_L, preceding or following")
+    return {"output": text, "solved": ruler.score(text, sample.references, sample.wrong) == 1.0,
+            "partial": ruler.score(text, sample.references, sample.wrong),
+            "recomputed": int(prefill.recomputed_positions.numel()), "chunk_tokens": plan.question_start - plan.prefix_len}
+
+
+def cases_of(run: Path, length: int) -> list[tuple[str, int, dict]]:
+    """(task, seed, the default's record) for every sample where full lists every value."""
+    out = []
+    for line in (run / "records.jsonl").read_text().splitlines():
+        rows = json.loads(line)
+        full = next(r for r in rows if r["variant"] == "full")
+        default = next(r for r in rows if r["variant"] == DEFAULT and r["ratio"] == 0.2)
+        if full["length"] == length and full["score"] == 1.0:
+            out.append((full["task"], full["seed"], default))
+    return out
+
+
+def report(rows: list[dict], cases: list[tuple[str, int, dict]]) -> dict:
+    default = {(t, s): d["score"] == 1.0 for t, s, d in cases}
+    out = {"n": len(cases), "default": {"kept": sum(default.values())}, "conditions": {}}
+    interval = wilson_interval(out["default"]["kept"], len(cases))
+    out["default"] |= {"share": interval.mean, "low": interval.low, "high": interval.high}
+    for condition in sorted({r["condition"] for r in rows}):
+        mine = {(r["task"], r["seed"]): r for r in rows if r["condition"] == condition}
+        keys = [k for k in default if k in mine]
+        kept = sum(mine[k]["solved"] for k in keys)
+        interval = wilson_interval(kept, len(keys))
+        wins, losses, p = sign_test([float(mine[k]["solved"]) for k in keys], [float(default[k]) for k in keys])
+        out["conditions"][condition] = {
+            "n": len(keys), "kept": kept, "share": interval.mean, "low": interval.low, "high": interval.high,
+            "recomputed_share": sum(mine[k]["recomputed"] / mine[k]["chunk_tokens"] for k in keys) / max(1, len(keys)),
+            "vs_default": {"wins": wins, "losses": losses, "sign_p": p}}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="an evaluation folder of --profile multichunk")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--conditions", default="ratio_0.3,ratio_0.5,backfill_32")
+    ap.add_argument("--primary", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--store", default="/tmp/cacheclip-diagnose-store")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multichunk_candidates.jsonl")
+    ap.add_argument("--report", type=Path, default=None, help="summarise --out's rows into this JSON, run nothing")
+    args = ap.parse_args()
+    cases = cases_of(args.run, args.length)
+    rows = [json.loads(x) for x in args.out.read_text().splitlines()] if args.out.exists() else []
+    if args.report is not None:
+        summary = report([r for r in rows if r["length"] == args.length], cases)
+        args.report.write_text(json.dumps(summary, indent=1) + "\n")
+        print(json.dumps(summary, indent=1))
+        return 0
+    done = {(r["task"], r["seed"], r["condition"]) for r in rows if r["length"] == args.length}
+    engine = Engine.from_config(EngineConfig(primary=args.primary, aux=None, store_path=args.store))
+    count = token_counter(engine)
+    conditions = args.conditions.split(",")
+    for task, seed, _ in tqdm(cases, desc="multichunk remedies", unit="case"):
+        todo = [c for c in conditions if (task, seed, c) not in done]
+        if not todo:
+            continue
+        sample = ruler.generate(task, args.length, seed, count)
+        chunks = ruler.sample_chunks(sample, count)
+        view = ruler_engine(engine, sample)
+        view.ingest(chunks, progress=False)
+        budget = max(48, decode_budget(view, sample))
+        for condition in todo:
+            started = time.perf_counter()
+            row = {"task": task, "seed": seed, "length": args.length, "condition": condition}
+            row |= run_condition(view, sample, chunks, condition, budget)
+            row["seconds"] = time.perf_counter() - started
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""bench/quality_multichunk.py: retention counts only the samples where full lists every value, strictly (an
+answer missing one value is a loss whatever its partial credit), and pairs each method with the default."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("quality_multichunk",
+                                              Path(__file__).parents[1] / "bench" / "quality_multichunk.py")
+quality_multichunk = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quality_multichunk)
+
+
+def record(variant: str, seed: int, score: float, *, ratio: float | None = 0.2, tf_kl: float = 0.0,
+           ttft: float = 1.0) -> dict:
+    return {"task": "spread3", "length": 2048, "seed": seed, "variant": variant, "ratio": ratio, "score": score,
+            "tf_kl": tf_kl, "ttft_s": ttft}
+
+
+def samples() -> list[list[dict]]:
+    # full complete on seeds 0-2, incomplete on 3 (not counted); the default keeps 0 and 1 and loses 2 with
+    # partial credit 2/3; "other" keeps 2 only
+    full = [1.0, 1.0, 1.0, 2 / 3]
+    default = [1.0, 1.0, 2 / 3, 1.0]
+    other = [1 / 3, 2 / 3, 1.0, 1.0]
+    return [[record("full", s, full[s], ratio=None, ttft=4.0),
+             record("cacheclip_requery", s, default[s], tf_kl=0.1 * s, ttft=1.0),
+             record("other", s, other[s], ttft=2.0)] for s in range(4)]
+
+
+def test_strict_retention_counts_full_complete_samples_and_pairs_against_the_default(tmp_path):
+    rows = {r["method"]: r for r in quality_multichunk.table(samples())}
+    default, other = rows["cacheclip_requery"], rows["other"]
+    assert default["n"] == 3 and default["samples"] == 4
+    assert default["strict_retention"]["kept"] == 2 and abs(default["strict_retention"]["mean"] - 2 / 3) < 1e-12
+    assert abs(default["partial_retention"]["mean"] - (1 + 1 + 2 / 3) / 3) < 1e-12
+    assert abs(default["tf_kl"]["mean"] - 0.15) < 1e-12 and default["ttft_speedup"] == 4.0
+    assert "paired_vs_default" not in default
+    assert other["strict_retention"]["kept"] == 1
+    assert other["paired_vs_default"] == {"n": 3, "wins": 1, "losses": 2, "sign_p": 1.0}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "records.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples()))
+    assert quality_multichunk.table(quality_multichunk.load([run])) == quality_multichunk.table(samples())
+    assert "| 2048 | other | 0.2 | 3 | 1 = 0.33" in quality_multichunk.markdown(list(rows.values()))
