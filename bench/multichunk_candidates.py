@@ -6,12 +6,18 @@ Conditions (comma-separated):
 - `ratio_R`: the default selection at ratio R (what ratio keeps the lists?);
 - `backfill_L`: the default's scores, each row ranked by the best score within the next L rows of its chunk
   (and the 4 before it), at the same ratio: the budget goes to the picked sentences' preceding context;
+- `ratio_R@lower` / `ratio_R@upper`: the default at ratio R, its recomputed chunk rows written back only in the
+  lower (upper) half of the layers, the other half keeping the reused rows: which layers matter?
 - `preceding` / `following`: the default's rows plus every row of each value chunk before (after) its value
   sentence, a diagnosis that knows where the values are (not a method).
 
     python bench/multichunk_candidates.py bench/eval-multichunk --conditions ratio_0.3,ratio_0.5,backfill_32 \
         --out bench/results/multichunk_candidates.jsonl
     python bench/multichunk_candidates.py bench/eval-multichunk --report bench/results/multichunk_candidates.json
+
+`--chunk-signal` asks whether the question's attention could tell a per-request budget that the answer spans
+several chunks: per chunk, its peak score over its median, and how many of the value chunks the top chunks by
+that measure find (as many as there are value chunks), against chance.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.runner import decode_budget, ruler_engine, token_counter  # noqa: E402
 from cacheclip_rag.evaluation.stats import sign_test, wilson_interval  # noqa: E402
 from cacheclip_rag.request import Prefill, Timings  # noqa: E402
-from cacheclip_rag.selection import SEPARATOR, question_scores, to_budget  # noqa: E402
+from cacheclip_rag.selection import SEPARATOR, question_attention, question_scores, to_budget  # noqa: E402
 
 DEFAULT = "cacheclip_requery"
 
@@ -63,6 +69,18 @@ def backfill_rows(engine: Engine, plan, options: RequestOptions, reach: int) -> 
             score[plan.separators(c)] = SEPARATOR
         per_chunk.append(score)
     return cache, to_budget(parts, options, per_chunk, options.ratio)
+
+
+def layered_answer(engine: Engine, plan, options: RequestOptions, half: str):
+    """The default selection at `options.ratio`, its chunk rows written back only in `half` of the layers."""
+    parts = engine.parts
+    cache = blend.blended_cache(parts, plan, options, shared=True)
+    chosen = question_attention(parts, cache, plan, options)
+    layers = parts.primary.model.config.num_hidden_layers
+    kept = range(layers // 2, layers) if half == "lower" else range(layers // 2)
+    cache.stale_layers, cache.stale_before = frozenset(kept), plan.question_start  # rows there stay reused
+    logits = blend.recompute_and_answer(parts, cache, plan, chosen.positions(plan), options=options)
+    return Prefill(cache, logits, chosen.positions(plan), Timings())
 
 
 def decode_until_complete(engine: Engine, plan, prefill, options: RequestOptions, sample: ruler.Sample) -> str:
@@ -90,6 +108,7 @@ def around(values: list[torch.Tensor], side: str) -> list[torch.Tensor]:
 
 
 def run_condition(engine: Engine, sample: ruler.Sample, chunks: list[str], condition: str, budget: int) -> dict:
+    condition, _, half = condition.partition("@")
     ratio = float(condition.split("_", 1)[1]) if condition.startswith("ratio_") else 0.2
     options = RequestOptions(method="cacheclip", ratio=ratio, max_new_tokens=budget,
                              answer_prefix=sample.answer_prefix, prompt_stops=False)
@@ -104,13 +123,29 @@ def run_condition(engine: Engine, sample: ruler.Sample, chunks: list[str], condi
         values = value_rows(plan, sample)
         values[0] = torch.zeros_like(values[0])  # chunk 0 is exact behind the prefix
         text, prefill, _ = answer(engine, plan, options, around(values, condition), sample)
-    elif condition.startswith("ratio_"):
+    elif condition.startswith("ratio_") and half in ("lower", "upper"):
+        prefill = layered_answer(engine, plan, options, half)
+        text = decode_until_complete(engine, plan, prefill, options, sample)
+    elif condition.startswith("ratio_") and not half:
         text, prefill, _ = answer(engine, plan, options, None, sample)
     else:
-        raise ValueError(f"unknown condition {condition!r}: ratio_R, backfill_L, preceding or following")
+        raise ValueError(f"unknown condition {condition!r}: ratio_R[@lower|@upper], backfill_L, preceding or following")
     return {"output": text, "solved": ruler.score(text, sample.references, sample.wrong) == 1.0,
             "partial": ruler.score(text, sample.references, sample.wrong),
             "recomputed": int(prefill.recomputed_positions.numel()), "chunk_tokens": plan.question_start - plan.prefix_len}
+
+
+def chunk_signal(engine: Engine, sample: ruler.Sample, chunks: list[str]) -> dict:
+    options = RequestOptions(method="cacheclip", ratio=0.2, answer_prefix=sample.answer_prefix, prompt_stops=False)
+    plan = engine.plan(sample.question, chunks, options)
+    cache = blend.blended_cache(engine.parts, plan, options, shared=True)
+    scores = question_scores(engine.parts, cache, plan, options)
+    peaked = [float(scores[a:b].max() / scores[a:b].median()) for a, b in plan.chunk_rows()]
+    holding = sorted({i for n in sample.needles if n.value in sample.references
+                      for i, c in enumerate(chunks) if n.sentence in c})
+    top = sorted(range(len(peaked)), key=lambda c: -peaked[c])[: len(holding)]
+    return {"peak_over_median": peaked, "value_chunks": holding,
+            "found": len(set(top) & set(holding)) / len(holding), "chance": len(holding) / len(peaked)}
 
 
 def cases_of(run: Path, length: int) -> list[tuple[str, int, dict]]:
@@ -152,6 +187,8 @@ def main() -> int:
     ap.add_argument("--store", default="/tmp/cacheclip-diagnose-store")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multichunk_candidates.jsonl")
     ap.add_argument("--report", type=Path, default=None, help="summarise --out's rows into this JSON, run nothing")
+    ap.add_argument("--chunk-signal", type=Path, default=None, help="write the per-chunk signal rows here, run nothing else")
+    ap.add_argument("--only-lost", action="store_true", help="only the cases the default loses (a diagnosis)")
     args = ap.parse_args()
     cases = cases_of(args.run, args.length)
     rows = [json.loads(x) for x in args.out.read_text().splitlines()] if args.out.exists() else []
@@ -163,6 +200,20 @@ def main() -> int:
     done = {(r["task"], r["seed"], r["condition"]) for r in rows if r["length"] == args.length}
     engine = Engine.from_config(EngineConfig(primary=args.primary, aux=None, store_path=args.store))
     count = token_counter(engine)
+    if args.chunk_signal is not None:
+        signal = []
+        for task, seed, _ in tqdm(cases, desc="chunk signal", unit="case"):
+            sample = ruler.generate(task, args.length, seed, count)
+            chunks = ruler.sample_chunks(sample, count)
+            view = ruler_engine(engine, sample)
+            view.ingest(chunks, progress=False)
+            signal.append({"task": task, "seed": seed} | chunk_signal(view, sample, chunks))
+        args.chunk_signal.write_text("".join(json.dumps(r) + "\n" for r in signal))
+        found, chance = (sum(r[k] for r in signal) / len(signal) for k in ("found", "chance"))
+        print(json.dumps({"n": len(signal), "value_chunks_found": found, "chance": chance}))
+        return 0
+    if args.only_lost:
+        cases = [c for c in cases if c[2]["score"] < 1.0]
     conditions = args.conditions.split(",")
     for task, seed, _ in tqdm(cases, desc="multichunk remedies", unit="case"):
         todo = [c for c in conditions if (task, seed, c) not in done]
