@@ -8,6 +8,8 @@ Conditions (comma-separated):
   (and the 4 before it), at the same ratio: the budget goes to the picked sentences' preceding context;
 - `ratio_R@lower` / `ratio_R@upper`: the default at ratio R, its recomputed chunk rows written back only in the
   lower (upper) half of the layers, the other half keeping the reused rows: which layers matter?
+- `twostage_P`: ProphetKV's two stages through the engine's own path: the aux's pick of P of the 0.2 budget
+  recomputed first, then the question's attention over that cache spends the rest (needs `--aux`);
 - `preceding` / `following`: the default's rows plus every row of each value chunk before (after) its value
   sentence, a diagnosis that knows where the values are (not a method).
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -119,6 +122,10 @@ def run_condition(engine: Engine, sample: ruler.Sample, chunks: list[str], condi
         logits = blend.recompute_and_answer(engine.parts, cache, plan, positions, options=options)
         prefill = Prefill(cache, logits, positions, Timings())
         text = decode_until_complete(engine, plan, prefill, options, sample)
+    elif condition.startswith("twostage_"):
+        options = replace(options, aux_share=float(condition.split("_", 1)[1]))
+        prefill = engine.prefill(plan, options)
+        text = decode_until_complete(engine, plan, prefill, options, sample)
     elif condition in ("preceding", "following"):
         values = value_rows(plan, sample)
         values[0] = torch.zeros_like(values[0])  # chunk 0 is exact behind the prefix
@@ -184,6 +191,7 @@ def main() -> int:
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--conditions", default="ratio_0.3,ratio_0.5,backfill_32")
     ap.add_argument("--primary", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--aux", default=None, help="an aux model, for the twostage_P conditions (smollm2-135m)")
     ap.add_argument("--store", default="/tmp/cacheclip-diagnose-store")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "multichunk_candidates.jsonl")
     ap.add_argument("--report", type=Path, default=None, help="summarise --out's rows into this JSON, run nothing")
@@ -198,7 +206,7 @@ def main() -> int:
         print(json.dumps(summary, indent=1))
         return 0
     done = {(r["task"], r["seed"], r["condition"]) for r in rows if r["length"] == args.length}
-    engine = Engine.from_config(EngineConfig(primary=args.primary, aux=None, store_path=args.store))
+    engine = Engine.from_config(EngineConfig(primary=args.primary, aux=args.aux, store_path=args.store))
     count = token_counter(engine)
     if args.chunk_signal is not None:
         signal = []
