@@ -43,3 +43,21 @@ def test_strict_retention_counts_full_complete_samples_and_pairs_against_the_def
     (run / "records.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples()))
     assert quality_multichunk.table(quality_multichunk.load([run])) == quality_multichunk.table(samples())
     assert "| 2048 | other | 0.2 | 3 | 1 = 0.33" in quality_multichunk.markdown(list(rows.values()))
+
+
+def test_backfill_ranks_a_peaks_preceding_rows_with_it_and_around_marks_each_side():
+    import torch
+
+    spec = importlib.util.spec_from_file_location("multichunk_candidates",
+                                                  Path(__file__).parents[1] / "bench" / "multichunk_candidates.py")
+    candidates = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(candidates)
+    score = torch.tensor([0.1, 0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0])
+    key = candidates.backfilled(score, reach=2, before=1)
+    # rows 2-3 (up to 2 before the peak) and row 5 (1 after it) take the peak's rank; the peak stays first
+    assert key.argmax() == 4 and set(torch.nonzero(key > 0.5).flatten().tolist()) == {2, 3, 4, 5}
+    assert key[0] > key[1] > 0.0 and key[6] == 0.0
+    values = [torch.tensor([False, False, True, True, False])]
+    assert candidates.around(values, "preceding")[0].tolist() == [True, True, True, True, False]
+    assert candidates.around(values, "following")[0].tolist() == [False, False, True, True, True]
+    assert not candidates.around([torch.zeros(3, dtype=torch.bool)], "preceding")[0].any()
