@@ -63,21 +63,43 @@ def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tens
     cache = blend.blended_cache(parts, plan, options, shared=True)
     chosen = question_attention(parts, cache, plan, options)
     rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
+    prefill = recomputed(engine, plan, options, cache, rows)
+    return decode_until_complete(engine, plan, prefill, options, sample), prefill, chosen
+
+
+def recomputed(engine: Engine, plan, options: RequestOptions, cache, rows: list[torch.Tensor]) -> Prefill:
+    """`rows` (per chunk, bool) recomputed over `cache` with the question: the prefill to decode from."""
     positions = blend.positions_of(plan, rows)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
-    prefill = Prefill(cache, logits, positions, Timings())
+    logits = blend.recompute_and_answer(engine.parts, cache, plan, positions, options=options)
+    return Prefill(cache, logits, positions, Timings())
+
+
+def decode_until_complete(engine: Engine, plan, prefill, options: RequestOptions, sample: ruler.Sample) -> str:
+    """The greedy answer from `prefill`, stopped once it holds every reference (or at the token budget)."""
     text = ""
     for piece in engine.decode(plan, prefill, options):
         text += piece
         if ruler.score(text, sample.references, sample.wrong) == 1.0:
             break
-    return text, prefill, chosen
+    return text
 
 
-def diagnose(engine: Engine, sample: ruler.Sample, ratio: float, count) -> dict:
+def ingested(engine: Engine, sample: ruler.Sample, count) -> tuple[Engine, list[str]]:
+    """The engine as the sample's prompt layout asks, with the sample's chunks ingested; and the chunks."""
     chunks = ruler.sample_chunks(sample, count)
     view = ruler_engine(engine, sample)
     view.ingest(chunks, progress=False)
+    return view, chunks
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One result row appended to a JSONL file (the runs resume from what is there)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def diagnose(engine: Engine, sample: ruler.Sample, ratio: float, count) -> dict:
+    view, chunks = ingested(engine, sample, count)
     budget = max(48, decode_budget(view, sample))
     options = RequestOptions(method="cacheclip", ratio=ratio, max_new_tokens=budget, answer_prefix=sample.answer_prefix,
                              prompt_stops=False)
@@ -179,8 +201,7 @@ def main() -> int:
         started = time.perf_counter()
         row = diagnose(engine, ruler.generate(task, args.length, seed, count), args.ratio, count)
         row["seconds"] = time.perf_counter() - started
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(args.out, row)
     return 0
 
 

@@ -38,15 +38,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from diagnose_multichunk import answer, value_rows  # noqa: E402
+from diagnose_multichunk import (  # noqa: E402
+    answer,
+    append_row,
+    decode_until_complete,
+    ingested,
+    recomputed,
+    value_rows,
+)
 
 from cacheclip_rag import blend  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
-from cacheclip_rag.evaluation.runner import decode_budget, ruler_engine, token_counter  # noqa: E402
+from cacheclip_rag.evaluation.runner import decode_budget, token_counter  # noqa: E402
 from cacheclip_rag.evaluation.stats import sign_test, wilson_interval  # noqa: E402
-from cacheclip_rag.request import Prefill, Timings  # noqa: E402
+from cacheclip_rag.request import Prefill  # noqa: E402
 from cacheclip_rag.selection import SEPARATOR, question_attention, question_scores, to_budget  # noqa: E402
 
 DEFAULT = "cacheclip_requery"
@@ -74,7 +81,7 @@ def backfill_rows(engine: Engine, plan, options: RequestOptions, reach: int) -> 
     return cache, to_budget(parts, options, per_chunk, options.ratio)
 
 
-def layered_answer(engine: Engine, plan, options: RequestOptions, half: str):
+def layered_answer(engine: Engine, plan, options: RequestOptions, half: str) -> Prefill:
     """The default selection at `options.ratio`, its chunk rows written back only in `half` of the layers."""
     parts = engine.parts
     cache = blend.blended_cache(parts, plan, options, shared=True)
@@ -82,17 +89,7 @@ def layered_answer(engine: Engine, plan, options: RequestOptions, half: str):
     layers = parts.primary.model.config.num_hidden_layers
     kept = range(layers // 2, layers) if half == "lower" else range(layers // 2)
     cache.stale_layers, cache.stale_before = frozenset(kept), plan.question_start  # rows there stay reused
-    logits = blend.recompute_and_answer(parts, cache, plan, chosen.positions(plan), options=options)
-    return Prefill(cache, logits, chosen.positions(plan), Timings())
-
-
-def decode_until_complete(engine: Engine, plan, prefill, options: RequestOptions, sample: ruler.Sample) -> str:
-    text = ""
-    for piece in engine.decode(plan, prefill, options):
-        text += piece
-        if ruler.score(text, sample.references, sample.wrong) == 1.0:
-            break
-    return text
+    return recomputed(engine, plan, options, cache, list(chosen.rows))
 
 
 def around(values: list[torch.Tensor], side: str) -> list[torch.Tensor]:
@@ -110,33 +107,44 @@ def around(values: list[torch.Tensor], side: str) -> list[torch.Tensor]:
     return out
 
 
+def parse_condition(condition: str) -> tuple[str, float | None, str]:
+    """(kind, its number or None, "lower"/"upper"/"") of a condition name; a clear error for anything else."""
+    name, _, half = condition.partition("@")
+    kind, _, number = name.partition("_")
+    try:
+        value = float(number) if number else None
+    except ValueError:
+        value = float("nan")
+    numbered = kind in ("ratio", "backfill", "twostage")
+    if kind not in ("ratio", "backfill", "twostage", "preceding", "following") or numbered != (value is not None) \
+            or value != value or half not in ("", "lower", "upper") or (half and kind != "ratio"):
+        raise ValueError(f"unknown condition {condition!r}: ratio_R[@lower|@upper], backfill_L, twostage_P, preceding "
+                         f"or following")
+    return kind, value, half
+
+
 def run_condition(engine: Engine, sample: ruler.Sample, chunks: list[str], condition: str, budget: int) -> dict:
-    condition, _, half = condition.partition("@")
-    ratio = float(condition.split("_", 1)[1]) if condition.startswith("ratio_") else 0.2
-    options = RequestOptions(method="cacheclip", ratio=ratio, max_new_tokens=budget,
+    kind, value, half = parse_condition(condition)
+    options = RequestOptions(method="cacheclip", ratio=value if kind == "ratio" else 0.2, max_new_tokens=budget,
                              answer_prefix=sample.answer_prefix, prompt_stops=False)
     plan = engine.plan(sample.question, chunks, options)
-    if condition.startswith("backfill_"):
-        cache, rows = backfill_rows(engine, plan, options, int(condition.split("_", 1)[1]))
-        positions = blend.positions_of(plan, rows)
-        logits = blend.recompute_and_answer(engine.parts, cache, plan, positions, options=options)
-        prefill = Prefill(cache, logits, positions, Timings())
+    if kind == "backfill":
+        cache, rows = backfill_rows(engine, plan, options, int(value))
+        prefill = recomputed(engine, plan, options, cache, rows)
         text = decode_until_complete(engine, plan, prefill, options, sample)
-    elif condition.startswith("twostage_"):
-        options = replace(options, aux_share=float(condition.split("_", 1)[1]))
+    elif kind == "twostage":
+        options = replace(options, aux_share=value)
         prefill = engine.prefill(plan, options)
         text = decode_until_complete(engine, plan, prefill, options, sample)
-    elif condition in ("preceding", "following"):
+    elif kind in ("preceding", "following"):
         values = value_rows(plan, sample)
         values[0] = torch.zeros_like(values[0])  # chunk 0 is exact behind the prefix
-        text, prefill, _ = answer(engine, plan, options, around(values, condition), sample)
-    elif condition.startswith("ratio_") and half in ("lower", "upper"):
+        text, prefill, _ = answer(engine, plan, options, around(values, kind), sample)
+    elif half:
         prefill = layered_answer(engine, plan, options, half)
         text = decode_until_complete(engine, plan, prefill, options, sample)
-    elif condition.startswith("ratio_") and not half:
-        text, prefill, _ = answer(engine, plan, options, None, sample)
     else:
-        raise ValueError(f"unknown condition {condition!r}: ratio_R[@lower|@upper], backfill_L, preceding or following")
+        text, prefill, _ = answer(engine, plan, options, None, sample)
     return {"output": text, "solved": ruler.score(text, sample.references, sample.wrong) == 1.0,
             "partial": ruler.score(text, sample.references, sample.wrong),
             "recomputed": int(prefill.recomputed_positions.numel()), "chunk_tokens": plan.question_start - plan.prefix_len}
@@ -206,15 +214,16 @@ def main() -> int:
         print(json.dumps(summary, indent=1))
         return 0
     done = {(r["task"], r["seed"], r["condition"]) for r in rows if r["length"] == args.length}
+    conditions = args.conditions.split(",")
+    for condition in conditions:  # before the models load
+        parse_condition(condition)
     engine = Engine.from_config(EngineConfig(primary=args.primary, aux=args.aux, store_path=args.store))
     count = token_counter(engine)
     if args.chunk_signal is not None:
         signal = []
         for task, seed, _ in tqdm(cases, desc="chunk signal", unit="case"):
             sample = ruler.generate(task, args.length, seed, count)
-            chunks = ruler.sample_chunks(sample, count)
-            view = ruler_engine(engine, sample)
-            view.ingest(chunks, progress=False)
+            view, chunks = ingested(engine, sample, count)
             signal.append({"task": task, "seed": seed} | chunk_signal(view, sample, chunks))
         args.chunk_signal.write_text("".join(json.dumps(r) + "\n" for r in signal))
         found, chance = (sum(r[k] for r in signal) / len(signal) for k in ("found", "chance"))
@@ -222,23 +231,19 @@ def main() -> int:
         return 0
     if args.only_lost:
         cases = [c for c in cases if c[2]["score"] < 1.0]
-    conditions = args.conditions.split(",")
     for task, seed, _ in tqdm(cases, desc="multichunk remedies", unit="case"):
         todo = [c for c in conditions if (task, seed, c) not in done]
         if not todo:
             continue
         sample = ruler.generate(task, args.length, seed, count)
-        chunks = ruler.sample_chunks(sample, count)
-        view = ruler_engine(engine, sample)
-        view.ingest(chunks, progress=False)
+        view, chunks = ingested(engine, sample, count)
         budget = max(48, decode_budget(view, sample))
         for condition in todo:
             started = time.perf_counter()
             row = {"task": task, "seed": seed, "length": args.length, "condition": condition}
             row |= run_condition(view, sample, chunks, condition, budget)
             row["seconds"] = time.perf_counter() - started
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_row(args.out, row)
     return 0
 
 

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 spec = importlib.util.spec_from_file_location("quality_multichunk",
                                               Path(__file__).parents[1] / "bench" / "quality_multichunk.py")
 quality_multichunk = importlib.util.module_from_spec(spec)
@@ -61,3 +63,16 @@ def test_backfill_ranks_a_peaks_preceding_rows_with_it_and_around_marks_each_sid
     assert candidates.around(values, "preceding")[0].tolist() == [True, True, True, True, False]
     assert candidates.around(values, "following")[0].tolist() == [False, False, True, True, True]
     assert not candidates.around([torch.zeros(3, dtype=torch.bool)], "preceding")[0].any()
+
+
+def test_a_remedy_condition_is_parsed_or_refused_by_name():
+    spec = importlib.util.spec_from_file_location("multichunk_candidates",
+                                                  Path(__file__).parents[1] / "bench" / "multichunk_candidates.py")
+    candidates = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(candidates)
+    assert candidates.parse_condition("ratio_0.5@lower") == ("ratio", 0.5, "lower")
+    assert candidates.parse_condition("backfill_32") == ("backfill", 32.0, "")
+    assert candidates.parse_condition("preceding") == ("preceding", None, "")
+    for bad in ("ratio", "ratio_x", "backfill_32@lower", "ratio_0.5@middle", "preceding_3", "chunks_0.5"):
+        with pytest.raises(ValueError, match="unknown condition"):
+            candidates.parse_condition(bad)
