@@ -1,6 +1,6 @@
 """Decode speed at long contexts: the engine's decode steps over its blended cache against transformers'
-own `generate` on the same model and prompt, in the same run (alternating, repeated). Prints one table;
-`--json` writes the rows.
+own `generate` (a copy of the model loaded apart, on transformers' sdpa attention) on the same prompt, in
+the same run (alternating, repeated). Both in the dtype "auto" picks. Prints one table; `--json` writes the rows.
 
 The engine's rate is its own decode timing (tokens after the first over the time after TTFT). For
 `generate`, prefill is taken out by difference: the time of `max_new_tokens = n + 1` minus that of
@@ -51,10 +51,10 @@ def engine_rate(engine: Engine, chunks: list[str], tokens: int) -> float:
     return stream.answer.timings.decode_tokens_per_s
 
 
-def generate_rate(engine: Engine, chunks: list[str], tokens: int) -> float:
+def generate_rate(engine: Engine, model, chunks: list[str], tokens: int) -> float:
+    """`model`: a copy of the primary loaded apart, so `generate` runs transformers' own sdpa attention."""
     options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1)
     ids = torch.tensor([engine.plan("What does the handbook say?", chunks, options).all_ids()])
-    model = engine.primary.model
 
     def timed(n: int) -> float:
         t0 = time.perf_counter()
@@ -73,8 +73,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    lm = load_model(args.model)
-    lm.model.generation_config.pad_token_id = lm.tokenizer.pad_token_id or lm.tokenizer.eos_token_id
+    lm, stock = load_model(args.model), load_model(args.model).model  # the engine's, and transformers' own
+    stock.generation_config.pad_token_id = lm.tokenizer.pad_token_id or lm.tokenizer.eos_token_id
     path = tempfile.mkdtemp(prefix="cacheclip-bench-decode-")
     engine = Engine(primary=lm, aux=None, store=LMDBStore(path), config=EngineConfig(store_path=path, aux=None))
     rows = []
@@ -86,14 +86,17 @@ def main() -> int:
         for r in range(args.repeats):  # alternating, so load on the machine hits both
             for name in (("engine", "generate") if r % 2 == 0 else ("generate", "engine")):
                 (ours if name == "engine" else theirs).append(
-                    (engine_rate if name == "engine" else generate_rate)(engine, chunks, args.tokens))
+                    engine_rate(engine, chunks, args.tokens) if name == "engine"
+                    else generate_rate(engine, stock, chunks, args.tokens))
         prompt = engine.plan("What does the handbook say?", chunks, RequestOptions()).length
         ratios = [a / b for a, b in zip(ours, theirs)]
         rows.append({"model": args.model, "context": prompt, "engine_tok_s": statistics.median(ours),
                      "generate_tok_s": statistics.median(theirs), "ratio": statistics.median(ratios),
+                     "dtype": str(lm.dtype).removeprefix("torch."),
                      "ratios": ratios, "tokens": args.tokens, "repeats": args.repeats,
                      "date": datetime.date.today().isoformat()})
-    print(f"\n{args.model}, {torch.get_num_threads()} threads, {args.tokens} decoded tokens, median of {args.repeats}")
+    print(f"\n{args.model}, {str(lm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
+          f"{args.tokens} decoded tokens, median of {args.repeats}")
     print("| context tokens | engine tok/s | transformers generate tok/s | ratio (per repeat) |")
     print("|---|---|---|---|")
     for r in rows:

@@ -113,6 +113,34 @@ def _eager_with_weights(module, query, key, value, mask, *, scaling, softcap):
     return _attend(probs, value, query.shape[1]), probs
 
 
+def one_row_attention(query, key, value, mask, *, scaling, softcap) -> torch.Tensor:
+    """Attention [B, 1, H, D] of one query row [B, H, 1, D] (a decode step) over keys/values [B, KV, N, D]:
+    each KV head's query heads as one matmul over the unrepeated keys, softmax in float32. On the CPU this
+    is ~15x faster than sdpa for one row at 4K rows (bench/bench_cpu_forward.py): sdpa copies the
+    keys once per query head (`repeat_kv`) and runs its blocked kernel for a single row."""
+    batch, heads, _, dim = query.shape
+    kv_heads, rows = key.shape[1], key.shape[2]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h reads KV head h // group
+    scores = torch.matmul(grouped, key.transpose(2, 3)).float().mul_(scaling)  # [B, KV, group, N]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:  # [B, 1, 1, N], additive or boolean (allowed)
+        mask = mask[..., :rows].reshape(mask.shape[0], 1, 1, rows)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).reshape(batch, 1, heads, dim)
+
+
+def dense_attention(module, query, key, value, mask, *, scaling, softcap, **kwargs) -> torch.Tensor:
+    """[B, Tq, H, D] by the fastest exact path for the shape: one CPU query row by `one_row_attention`,
+    a softcap eagerly (sdpa has none), everything else by sdpa (its causal path when `mask` is None)."""
+    if query.shape[2] == 1 and query.device.type == "cpu":
+        return one_row_attention(query, key, value, mask, scaling=scaling, softcap=softcap)
+    if softcap is not None:
+        return _eager_with_weights(module, query, key, value, mask, scaling=scaling, softcap=softcap)[0]
+    return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)[0]
+
+
 def chunk_scaled_attention(query, key, value, mask, *, scaling, softcap, chunks: ChunkScaling) -> torch.Tensor:
     """Attention [B, Tq, H, D] with APE's temperature and scale on the chunk rows (see `ChunkScaling`)."""
     scores = _scores(query, key, mask, scaling=scaling, softcap=softcap)
@@ -128,13 +156,9 @@ def chunk_scaled_attention(query, key, value, mask, *, scaling, softcap, chunks:
 def ragged_attention(module, query, keys, values, *, batch: RaggedBatch, scaling, softcap, **kwargs) -> torch.Tensor:
     """query [1, H, sum T, D] (the requests' rows packed), keys/values one [1, KV, N_b, D] per request
     -> [1, sum T, H, D]: each request's segment attends over its own cache."""
-    outs = []
-    for b, (start, stop) in enumerate(batch.segments):
-        q, mask = query[:, :, start:stop], batch.mask(b, module.layer_idx)
-        if softcap is not None:
-            outs.append(_eager_with_weights(module, q, keys[b], values[b], mask, scaling=scaling, softcap=softcap)[0])
-        else:
-            outs.append(sdpa_attention_forward(module, q, keys[b], values[b], mask, scaling=scaling, **kwargs)[0])
+    outs = [dense_attention(module, query[:, :, start:stop], keys[b], values[b], batch.mask(b, module.layer_idx),
+                            scaling=scaling, softcap=softcap, **kwargs)
+            for b, (start, stop) in enumerate(batch.segments)]
     return torch.cat(outs, dim=1)
 
 
@@ -144,7 +168,7 @@ _active = threading.local()
 
 
 def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """sdpa, eager-with-weights for probed layers, or the selected-rows kernel when one is plugged in
+    """`dense_attention`, eager-with-weights for probed layers, or the selected-rows kernel when one is plugged in
     (the engine plugs it in on CUDA; tests plug it in under the Triton interpreter)."""
     context: ForwardContext | None = getattr(_active, "context", None)
     scaling = module.head_dim**-0.5 if scaling is None else scaling
@@ -167,10 +191,8 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
                 scaling=scaling, softcap=softcap, sliding_window=kwargs.get("sliding_window"),
             )
             return out, None
-    if softcap is not None:
-        out, _ = _eager_with_weights(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap)
-        return out, None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return dense_attention(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
+                           dropout=dropout, **kwargs), None
 
 
 def cacheclip_mask(*args, **kwargs):
@@ -216,7 +238,8 @@ def position_masks(
     rows) and `key_positions` [>= kv_length] (each row's position) say otherwise, as under APE, whose
     chunks share positions. Returns a dict keyed by layer type when the model has `layer_types`
     (Gemma 3, Qwen2), else one tensor. A full-attention mask is None when the queries are exactly
-    rows 0..kv_length-1 at their own positions, so sdpa can take its causal fast path.
+    rows 0..kv_length-1 at their own positions, so sdpa can take its causal fast path, or one query on
+    row kv_length-1, which sees every row.
     """
     config = text_config(model)
     device = query_positions.device
@@ -224,8 +247,11 @@ def position_masks(
     q = query_positions[:, None, :, None]  # [B, 1, Tq, 1]
     q_row = q if query_slots is None else query_slots.to(device)[:, None, :, None]
     key_pos = kv_idx if key_positions is None else key_positions.to(device)[:kv_length]
-    contiguous = query_slots is None and key_positions is None and query_positions.shape[-1] == kv_length and bool(
-        (query_positions == kv_idx).all()
+    tq = query_positions.shape[-1]
+    # no full-attention mask when it would allow everything: the queries are rows 0..kv_length-1 (sdpa's
+    # causal path) or one query on the last row (a decode step)
+    contiguous = query_slots is None and key_positions is None and tq in (kv_length, 1) and bool(
+        (query_positions == kv_idx[kv_length - tq:]).all()
     )
     neg = torch.finfo(dtype).min
 

@@ -169,11 +169,12 @@ def _compute_batch(lm: LoadedModel, prefix: PrefixCache | None, encoded: list[En
 
 
 def storage_dtype(setting: str, lm: LoadedModel) -> torch.dtype:
-    """The dtype `lm`'s chunk caches are stored in: "auto" is the model's dtype on CUDA and float16
-    on the CPU (half the bytes, a first-token KL cost measured in bench/RESULTS.md); else the named one."""
+    """The dtype `lm`'s chunk caches are stored in: "auto" is the model's dtype on CUDA and for a 16-bit
+    model, float16 for a float32 model on the CPU (half the bytes, a first-token KL cost measured in
+    bench/RESULTS.md); else the named one."""
     if setting != "auto":
         return resolve_dtype(setting, lm.device, STORE_DTYPES)
-    return lm.dtype if lm.device.type == "cuda" else torch.float16
+    return lm.dtype if lm.device.type == "cuda" or lm.dtype.itemsize == 2 else torch.float16
 
 
 def precompute(

@@ -250,16 +250,23 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles): there bf16 matmuls run
+    ~2.5x float32's (bench/bench_cpu_forward.py); elsewhere bf16 is emulated and slower than float32."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device,
                   names: Mapping[str, torch.dtype] = DTYPES) -> torch.dtype:
-    """"auto" is bfloat16 on CUDA (float16 where the GPU lacks bf16) and float32 elsewhere (CPU matmuls
-    in half precision are slower, not faster); else one of `names` (the compute dtypes by default)."""
+    """"auto" is bfloat16 on CUDA (float16 where the GPU lacks bf16) and on a CPU with native bf16
+    (`cpu_has_native_bf16`), float32 on other CPUs; else one of `names` (the compute dtypes by default)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if torch.device(device).type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if dtype not in names:
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(names)}, got {dtype!r}")
     return names[dtype]
@@ -302,6 +309,9 @@ def load_model(
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
     model.to(device)
+    if torch.device(device).type == "cpu":
+        log.info("%s: %s on the CPU (%s), %d threads", name, str(torch_dtype).removeprefix("torch."),
+                 "native bf16" if cpu_has_native_bf16() else "no native bf16", torch.get_num_threads())
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(tokenizer))
 
 

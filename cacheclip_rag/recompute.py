@@ -14,7 +14,8 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from .attention import AttentionProbe, ChunkScaling, ForwardContext, SelectedRowsKernel, forward_context, position_masks
+from .attention import (AttentionProbe, ChunkScaling, ForwardContext, SelectedRowsKernel, forward_context,
+                        position_masks, use_cacheclip_attention)
 from .kernels.selected_attention import check_positions
 from .cache import BlendedCache
 
@@ -53,6 +54,7 @@ def forward_at(
     the rows' positions); `chunk_scaling` applies APE's attention on chunk rows (eager; no kernel). Returns logits
     [B, logits_to_keep, V], or the last hidden states when `base_model_only`.
     """
+    use_cacheclip_attention(model)  # the masks, probes and kernels below are read by its attention function
     device = cache.layers[0].keys.device
     input_ids, positions = input_ids.to(device), positions.to(device)
     cache.write_at(positions[0] if slots is None else slots.to(device))

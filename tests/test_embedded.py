@@ -98,7 +98,7 @@ def test_qwen_05b_loads_with_its_chat_layout_and_reuse_is_exact(tmp_path):
     from cacheclip_rag.store import LMDBStore
     from tests.conftest import max_diff
 
-    lm = load_model("qwen2.5-coder-0.5b")
+    lm = load_model("qwen2.5-coder-0.5b", dtype="float32")  # exactness: float32, whatever "auto" picks
     config = lm.config
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (24, 14, 2)
     assert lm.prompt.prefix("S").startswith("<|im_start|>system\nS<|im_end|>") and "<|im_end|>" in lm.prompt.stop_strings

@@ -11,7 +11,7 @@ def test_load_from_a_local_folder_keeps_the_fingerprint(tmp_path):
     lm = tiny_model("qwen2")
     lm.model.save_pretrained(tmp_path)
     lm.tokenizer.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path, prompt=lm.prompt)
+    loaded = load_model(tmp_path, prompt=lm.prompt, dtype="float32")
     assert loaded.fingerprint == lm.fingerprint
     ids = torch.tensor([lm.encode("hello there")])
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_a_local_model_folder_gets_its_own_chat_template(tmp_path, arch, templat
     from tests.conftest import CHUNKS, QUESTION
 
     folder = save_tiny_chat_model(tmp_path / "model", arch, template)
-    lm = load_model(folder)
+    lm = load_model(folder, dtype="float32")  # exactness below: float32, whatever "auto" picks on this CPU
     engine = Engine(primary=lm, store=LMDBStore(tmp_path / "store"), aux=None,
                     config=EngineConfig(store_path=tmp_path / "store", aux=None, system_prompt="Be brief.",
                                         store_dtype="float32"))
@@ -100,10 +100,10 @@ def test_dtype_is_chosen_per_device_and_checked(tmp_path):
     import torch
 
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.models import load_model, resolve_dtype
+    from cacheclip_rag.models import cpu_has_native_bf16, load_model, resolve_dtype
     from cacheclip_rag.testing import tiny_model
 
-    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be"):
         EngineConfig(dtype="fp8")
@@ -111,3 +111,36 @@ def test_dtype_is_chosen_per_device_and_checked(tmp_path):
     lm.model.save_pretrained(tmp_path)
     lm.tokenizer.save_pretrained(tmp_path)
     assert load_model(tmp_path, dtype="bfloat16").dtype == torch.bfloat16
+
+
+def test_auto_dtype_on_the_cpu_is_bf16_exactly_where_the_cpu_has_it(monkeypatch):
+    """bf16 where the CPU multiplies it natively (~2.5x float32's matmuls), float32 where it would be
+    emulated; the probes are torch's own, so a CPU without them answers float32."""
+    import torch
+
+    from cacheclip_rag.models import cpu_has_native_bf16, resolve_dtype
+
+    for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                       (False, False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert cpu_has_native_bf16() == (expected == torch.bfloat16)
+        assert resolve_dtype("auto", "cpu") == expected
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert resolve_dtype("auto", "cpu") == torch.float32
+
+
+def test_auto_storage_keeps_a_16_bit_model_s_dtype():
+    """A bf16 model's chunk caches are stored in bf16 (float16 would clip its range), a float32 model's
+    in float16 on the CPU."""
+    import torch
+
+    from cacheclip_rag.ingest import storage_dtype
+    from cacheclip_rag.testing import tiny_model
+
+    lm = tiny_model("qwen2")
+    assert storage_dtype("auto", lm) == torch.float16
+    lm.model.to(torch.bfloat16)
+    assert storage_dtype("auto", lm) == torch.bfloat16
+    assert storage_dtype("float32", lm) == torch.float32

@@ -1,0 +1,128 @@
+"""How fast the base forward runs on this CPU: the engine's full prefill (the path every method's forward
+takes) at 1K/2K/4K tokens in float32 and bfloat16, as effective GFLOP/s against the best GEMM the cores
+reach in the same run, and one decode step at the same context. Prints one table; `--json` writes the rows.
+
+FLOPs are counted, not measured: 2 per weight of every decoder linear per token, the head on the last token
+only (`logits_to_keep=1`), and 4 * heads * head_dim per causal query-key pair (scores and values). The
+peak is the best of a few large GEMMs in each dtype (oneDNN; AVX-512 BF16 doubles bf16's rate where present).
+
+    python bench/bench_cpu_forward.py [--model qwen2.5-coder-0.5b] [--lengths 1024,2048,4096] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cacheclip_rag.ingest import new_cache  # noqa: E402
+from cacheclip_rag.models import LoadedModel, cpu_has_native_bf16, load_model, text_config  # noqa: E402
+from cacheclip_rag.recompute import forward_at  # noqa: E402
+
+GEMM_SHAPES = ((2048, 2048, 2048), (2048, 896, 4864), (4096, 4864, 896))
+
+
+def name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def gemm_peak(dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best GFLOP/s of `GEMM_SHAPES` (m, k, n) in `dtype`."""
+    best = 0.0
+    for m, k, n in GEMM_SHAPES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def prefill_gflop(lm: LoadedModel, tokens: int) -> float:
+    """Counted FLOPs (in G) of a full prefill of `tokens` tokens with the head on the last one."""
+    config = text_config(lm.model)
+    layers = lm.model.model.layers
+    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
+    head = lm.model.get_output_embeddings().weight.numel()
+    pairs = tokens * (tokens + 1) // 2
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 4 * config.num_attention_heads * head_dim * pairs * len(layers)
+    return (2 * linear * tokens + 2 * head + attention) / 1e9
+
+
+def time_prefill(lm: LoadedModel, ids: torch.Tensor, decode_steps: int) -> tuple[float, float]:
+    """(prefill seconds, median decode-step milliseconds) of the path `full` takes: one forward over the
+    prompt into a fresh cache, then single-token steps on the rows after it."""
+    length = ids.shape[1]
+    cache = new_cache(lm, length + decode_steps)
+    start = time.perf_counter()
+    forward_at(lm.model, cache, ids, torch.arange(length)[None])
+    prefill = time.perf_counter() - start
+    steps = []
+    for i in range(decode_steps):
+        start = time.perf_counter()
+        forward_at(lm.model, cache, ids[:, i:i + 1], torch.tensor([[length + i]]))
+        steps.append(time.perf_counter() - start)
+    return prefill, 1e3 * statistics.median(steps)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    models = {dtype: load_model(args.model, dtype=dtype) for dtype in dtypes}
+    peaks = {dtype: gemm_peak(dtype) for dtype in dtypes}
+    vocab = models[dtypes[0]].config.vocab_size
+    lengths = [int(x) for x in args.lengths.split(",")]
+    gflops = {length: prefill_gflop(models[dtypes[0]], length) for length in lengths}
+    rows = []
+    for length in lengths:
+        ids = torch.randint(1000, min(vocab, 100_000), (1, length), generator=torch.Generator().manual_seed(length))
+        for dtype in dtypes:
+            time_prefill(models[dtype], ids[:, :64], 1)  # warm
+        runs: dict[torch.dtype, list[tuple[float, float]]] = {dtype: [] for dtype in dtypes}
+        for r in range(args.repeats):  # alternating, so load on the machine hits every dtype
+            for dtype in (dtypes if r % 2 == 0 else dtypes[::-1]):
+                runs[dtype].append(time_prefill(models[dtype], ids, args.decode_steps))
+        for dtype in dtypes:
+            prefill = statistics.median(t for t, _ in runs[dtype])
+            gflop = gflops[length]
+            rows.append({"model": args.model, "dtype": name(dtype), "tokens": length,
+                         "prefill_s": prefill, "prefill_s_runs": [t for t, _ in runs[dtype]], "gflop": gflop,
+                         "gflop_per_s": gflop / prefill, "peak_gemm_gflop_per_s": peaks[dtype],
+                         "share_of_peak": gflop / prefill / peaks[dtype],
+                         "decode_step_ms": statistics.median(d for _, d in runs[dtype]),
+                         "threads": torch.get_num_threads(), "native_bf16": cpu_has_native_bf16(),
+                         "repeats": args.repeats, "date": datetime.date.today().isoformat()})
+    base = {(r["tokens"]): r for r in rows if r["dtype"] == "float32"}
+    print(f"\n{args.model}, {torch.get_num_threads()} threads, native bf16: {cpu_has_native_bf16()}; "
+          f"peak GEMM {', '.join(f'{name(d)} {v:.0f} GFLOP/s' for d, v in peaks.items())}; median of {args.repeats}")
+    print("| tokens | dtype | prefill s | GFLOP/s | of peak GEMM | prefill speed-up vs float32 | decode step ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        speedup = base[r["tokens"]]["prefill_s"] / r["prefill_s"] if r["tokens"] in base else float("nan")
+        print(f"| {r['tokens']} | {r['dtype']} | {r['prefill_s']:.2f} | {r['gflop_per_s']:.0f} | "
+              f"{r['share_of_peak']:.2f} | {speedup:.2f}x | {r['decode_step_ms']:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
