@@ -257,6 +257,17 @@ def cpu_has_native_bf16() -> bool:
     return any(probe() for probe in probes if probe is not None)
 
 
+def fit_threads_to_cores() -> int:
+    """torch's intra-op threads, lowered to the CPUs this process may run on where torch counted more (a
+    container or `taskset` limit: extra threads only contend); returns the count."""
+    import os
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if torch.get_num_threads() > allowed:
+        torch.set_num_threads(allowed)
+    return torch.get_num_threads()
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device,
                   names: Mapping[str, torch.dtype] = DTYPES) -> torch.dtype:
     """"auto" is bfloat16 on CUDA (float16 where the GPU lacks bf16) and on a CPU with native bf16
@@ -310,6 +321,7 @@ def load_model(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
     model.to(device)
     if torch.device(device).type == "cpu":
+        fit_threads_to_cores()
         log.info("%s: %s on the CPU (%s), %d threads", name, str(torch_dtype).removeprefix("torch."),
                  "native bf16" if cpu_has_native_bf16() else "no native bf16", torch.get_num_threads())
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(tokenizer))

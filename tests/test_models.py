@@ -144,3 +144,21 @@ def test_auto_storage_keeps_a_16_bit_model_s_dtype():
     lm.model.to(torch.bfloat16)
     assert storage_dtype("auto", lm) == torch.bfloat16
     assert storage_dtype("float32", lm) == torch.float32
+
+
+def test_threads_never_exceed_the_cpus_this_process_may_use(monkeypatch):
+    import os
+
+    import torch
+
+    from cacheclip_rag.models import fit_threads_to_cores
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+        torch.set_num_threads(2)
+        assert fit_threads_to_cores() == 1 and torch.get_num_threads() == 1
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+        assert fit_threads_to_cores() == 1  # never raised: fewer threads may be the user's choice
+    finally:
+        torch.set_num_threads(before)
