@@ -45,9 +45,10 @@ def kv_layout(lm: LoadedModel) -> tuple[int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, head_dim
 
 
-def new_cache(lm: LoadedModel, length: int, batch: int = 1) -> BlendedCache:
+def new_cache(lm: LoadedModel, length: int, batch: int = 1, dtype: torch.dtype | None = None) -> BlendedCache:
+    """An empty cache for `lm` in its dtype (or `dtype`: another module running over its layout)."""
     layers, kv_heads, head_dim = kv_layout(lm)
-    return BlendedCache.empty(layers, batch, kv_heads, length, head_dim, dtype=lm.dtype, device=lm.device)
+    return BlendedCache.empty(layers, batch, kv_heads, length, head_dim, dtype=dtype or lm.dtype, device=lm.device)
 
 
 @dataclass(frozen=True)

@@ -347,7 +347,7 @@ def int8_scorer(model: PreTrainedModel) -> PreTrainedModel:
     except ImportError as err:  # removed from a future torch
         raise RuntimeError("aux_quantization='int8' needs torch.ao.quantization.quantize_dynamic, which this "
                            f"torch ({torch.__version__}) lacks") from err
-    scorer = copy.deepcopy(model)
+    scorer = copy.deepcopy(model).float()  # dynamic quantization takes float32 linears (a bf16 aux too)
     with warnings.catch_warnings():  # torch announces the quantization API's deprecation on every call
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -100,7 +100,9 @@ def aux_scores(
     p, q = len(prefix.token_ids), len(question_ids)
     lengths = [e.num_tokens for e in entries]
     longest, c = max(lengths), len(entries)
-    cache = new_cache(aux, p + longest + q, batch=c)
+    runner = model or aux.model
+    dtype = next(w for w in runner.parameters() if w.is_floating_point()).dtype  # an int8 copy runs in float32
+    cache = new_cache(aux, p + longest + q, batch=c, dtype=dtype)
     for i, layer in enumerate(cache.layers):
         layer.keys[:, :, :p] = prefix.keys[i]
         layer.values[:, :, :p] = prefix.values[i]
@@ -111,9 +113,9 @@ def aux_scores(
     slots = torch.arange(p + longest, p + longest + q)
     last = aux.config.num_hidden_layers - 1
     probe = AttentionProbe()
-    mask = _slot_mask(aux, p, lengths, q, dtype=aux.dtype)
+    mask = _slot_mask(aux, p, lengths, q, dtype=dtype)
     ids = torch.tensor([list(question_ids)] * c)
-    forward_at(model or aux.model, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
+    forward_at(runner, cache, ids, positions, slots=slots, mask=mask, probes={last: probe})
     weights = probe.weights  # [C, H, Q, K]
     if question_rows is not None:
         weights = weights[:, :, question_rows.to(weights.device)]

@@ -178,3 +178,26 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
     again = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
                                                                 selection="aux"))
     assert again.reused_tokens > 0 and len(writes) == len(set(writes))
+
+
+def test_int8_aux_runs_on_a_bfloat16_aux():
+    """The CPU default is bf16 where the CPU has it: the int8 copy is quantized from float32 linears and
+    runs over a float32 copy of the stored bf16 cache; it selects nearly what the bf16 aux selects."""
+    import tempfile
+
+    from cacheclip_rag.config import EngineConfig, RequestOptions
+    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.store import LMDBStore
+
+    lm = tiny_model("llama")
+    lm.model.to(torch.bfloat16)
+    path = tempfile.mkdtemp()
+    plain = Engine(primary=lm, store=LMDBStore(path), aux=lm, config=EngineConfig(store_path=path))
+    quantized = Engine(primary=lm, store=plain.store, aux=lm, config=EngineConfig(store_path=path,
+                                                                                 aux_quantization="int8"))
+    plain.ingest(CHUNKS, progress=False)
+    options = RequestOptions(method="cacheclip", ratio=0.3, selection="aux")
+    plan = plain.plan(QUESTION, CHUNKS, options)
+    bf16 = set(aux_attention(plain.parts, plan, options).positions(plan).tolist())
+    int8 = set(aux_attention(quantized.parts, plan, options).positions(plan).tolist())
+    assert len(bf16 & int8) / len(bf16 | int8) > 0.6
