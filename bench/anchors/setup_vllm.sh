@@ -7,7 +7,9 @@
 #   - torchvision, torchaudio and torchcodec removed: its requirements pull them in, they are not used to
 #     serve a text model, and their builds do not match its torch (the server fails to import them);
 #   - VLLM_CPU_OMP_THREADS_BIND (set by run_anchors.py: "0-1"): without it vLLM runs one OpenMP thread;
-#   - VLLM_CPU_KVCACHE_SPACE in GiB (run_anchors.py: 4), the KV pool it reserves up front.
+#   - VLLM_CPU_KVCACHE_SPACE in GiB (run_anchors.py: 4), the KV pool it reserves up front;
+#   - `python -m vllm.entrypoints.openai.api_server`, not the `vllm` command: the command asks for the version
+#     of a distribution named "vllm", and this one is "vllm-cpu" (PackageNotFoundError at start).
 set -euo pipefail
 anchors=${CACHECLIP_ANCHORS:-$HOME/.cache/cacheclip_rag/anchors}
 version=${VLLM_CPU_VERSION:-0.32.0}
