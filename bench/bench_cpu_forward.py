@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.ingest import new_cache  # noqa: E402
+from cacheclip_rag.ingest import kv_layout, new_cache  # noqa: E402
 from cacheclip_rag.models import LoadedModel, cpu_has_native_bf16, load_model, text_config  # noqa: E402
 from cacheclip_rag.recompute import forward_at  # noqa: E402
 
@@ -51,11 +51,11 @@ def gemm_peak(dtype: torch.dtype, repeats: int = 5) -> float:
 def prefill_gflop(lm: LoadedModel, tokens: int) -> float:
     """Counted FLOPs (in G) of a full prefill of `tokens` tokens with the head on the last one."""
     config = text_config(lm.model)
+    head_dim = kv_layout(lm)[2]
     layers = lm.model.model.layers
     linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
     head = lm.model.get_output_embeddings().weight.numel()
     pairs = tokens * (tokens + 1) // 2
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 4 * config.num_attention_heads * head_dim * pairs * len(layers)
     return (2 * linear * tokens + 2 * head + attention) / 1e9
 

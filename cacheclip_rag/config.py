@@ -93,9 +93,12 @@ class EngineConfig:
     # > 0: keep hot chunk caches decoded in host RAM in the model's dtype (LRU; pinned when CUDA is present,
     # where a request's chunks then load layer by layer beside the recompute), e.g. 32 << 30
     host_cache_bytes: int = 0
-    dtype: str = "auto"  # model weights and KV: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32), "float32", "bfloat16", "float16"
-    # stored chunk KV: "auto" = the model's dtype on CUDA and for 16-bit models, float16 for a float32 model on the
-    # CPU (half the bytes; first-token KL against float32 storage measured in bench/RESULTS.md), or "float32" / "bfloat16" / "float16", or
+    # model weights and KV: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32), "float32", "bfloat16",
+    # "float16"
+    dtype: str = "auto"
+    # stored chunk KV: "auto" = the model's dtype on CUDA and for 16-bit models, float16 for a float32 model on
+    # the CPU (half the bytes; first-token KL against float32 storage measured in bench/RESULTS.md), or
+    # "float32" / "bfloat16" / "float16", or
     # "float8_e4m3fn" (one byte an element plus a float32 scale per channel; read back as float32)
     store_dtype: str = "auto"
     aux_quantization: str | None = None  # "int8": the aux's selection pass runs int8 dynamic-quantized linears (CPU)

@@ -251,8 +251,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles): there bf16 matmuls run
-    ~2.5x float32's (bench/bench_cpu_forward.py); elsewhere bf16 is emulated and slower than float32."""
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles): there bf16 GEMMs run
+    ~2.2x float32's (bench/bench_cpu_forward.py's peaks); elsewhere bf16 is emulated and slower than float32."""
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(probe() for probe in probes if probe is not None)
 

@@ -239,9 +239,11 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--aux", default=defaults["aux"].default, help="the selector model (same forms), or none")
         sp.add_argument("--device", default="cpu")
         sp.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES),
-                        help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), else float32")
+                        help="auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX-512 BF16, AMX), "
+                        "else float32")
         sp.add_argument("--store-dtype", default="auto", choices=("auto", *STORE_DTYPE_NAMES),
-                        help="how chunk caches are stored: auto = the model's dtype, float16 for a float32 model on the CPU; "
+                        help="how chunk caches are stored: auto = the model's dtype, float16 for a float32 model "
+                        "on the CPU; "
                         "float8_e4m3fn = one byte an element with a scale per channel")
         sp.add_argument("--aux-device", default="cpu")
         sp.add_argument("--store", default=None, help="LMDB directory (default: user cache) or a redis:// URL")
