@@ -1,6 +1,8 @@
 """Decode speed at long contexts: the engine's decode steps over its blended cache against transformers'
-own `generate` (a copy of the model loaded apart, on transformers' sdpa attention) on the same prompt, in
-the same run (alternating, repeated). Both in the dtype "auto" picks. Prints one table; `--json` writes the rows.
+own `generate` (a copy of the model loaded apart, on transformers' sdpa attention, dense linears) on the
+same prompt, and against the engine with its linears left dense (`load_model(prepack=False)`: what the
+prepacked oneDNN weights of `packed_linear` gain), in the same run (rotating, repeated). All in the dtype
+"auto" picks. Prints one table; `--json` writes the rows.
 
 The engine's rate is its own decode timing (tokens after the first over the time after TTFT). For
 `generate`, prefill is taken out by difference: the time of `max_new_tokens = n + 1` minus that of
@@ -73,35 +75,42 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    lm, stock = load_model(args.model), load_model(args.model).model  # the engine's, and transformers' own
+    lm, stock = load_model(args.model), load_model(args.model, prepack=False).model  # ours; transformers' own
     stock.generation_config.pad_token_id = lm.tokenizer.pad_token_id or lm.tokenizer.eos_token_id
     path = tempfile.mkdtemp(prefix="cacheclip-bench-decode-")
-    engine = Engine(primary=lm, aux=None, store=LMDBStore(path), config=EngineConfig(store_path=path, aux=None))
+    config, store = EngineConfig(store_path=path, aux=None), LMDBStore(path)
+    engine = Engine(primary=lm, aux=None, store=store, config=config)
+    dense = Engine(primary=load_model(args.model, prepack=False), aux=None, store=store, config=config)
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         chunks = chunks_of(engine, length)
         engine.ingest(chunks, progress=False)
-        engine_rate(engine, chunks, 2)  # warm
-        ours, theirs = [], []
-        for r in range(args.repeats):  # alternating, so load on the machine hits both
-            for name in (("engine", "generate") if r % 2 == 0 else ("generate", "engine")):
-                (ours if name == "engine" else theirs).append(
-                    engine_rate(engine, chunks, args.tokens) if name == "engine"
-                    else generate_rate(engine, stock, chunks, args.tokens))
+        runs = {"engine": lambda: engine_rate(engine, chunks, args.tokens),
+                "engine_dense": lambda: engine_rate(dense, chunks, args.tokens),
+                "generate": lambda: generate_rate(engine, stock, chunks, args.tokens)}
+        engine_rate(engine, chunks, 2), engine_rate(dense, chunks, 2)  # warm
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(args.repeats):  # rotating, so load on the machine hits each
+            for name in list(runs)[r % 3:] + list(runs)[:r % 3]:
+                rates[name].append(runs[name]())
         prompt = engine.plan("What does the handbook say?", chunks, RequestOptions()).length
-        ratios = [a / b for a, b in zip(ours, theirs)]
-        rows.append({"model": args.model, "context": prompt, "engine_tok_s": statistics.median(ours),
-                     "generate_tok_s": statistics.median(theirs), "ratio": statistics.median(ratios),
-                     "dtype": str(lm.dtype).removeprefix("torch."),
-                     "ratios": ratios, "tokens": args.tokens, "repeats": args.repeats,
+        ratios = [a / b for a, b in zip(rates["engine"], rates["generate"])]
+        gains = [a / b for a, b in zip(rates["engine"], rates["engine_dense"])]
+        rows.append({"model": args.model, "context": prompt, "engine_tok_s": statistics.median(rates["engine"]),
+                     "engine_dense_tok_s": statistics.median(rates["engine_dense"]),
+                     "generate_tok_s": statistics.median(rates["generate"]), "ratio": statistics.median(ratios),
+                     "packed_gain": statistics.median(gains), "dtype": str(lm.dtype).removeprefix("torch."),
+                     "ratios": ratios, "packed_gains": gains, "tokens": args.tokens, "repeats": args.repeats,
                      "date": datetime.date.today().isoformat()})
     print(f"\n{args.model}, {str(lm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"{args.tokens} decoded tokens, median of {args.repeats}")
-    print("| context tokens | engine tok/s | transformers generate tok/s | ratio (per repeat) |")
-    print("|---|---|---|---|")
+    print("| context tokens | engine tok/s | engine, dense linears | transformers generate tok/s "
+          "| engine / generate (per repeat) | packed gain |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['engine_tok_s']:.2f} | {r['generate_tok_s']:.2f} | {r['ratio']:.2f} "
-              f"({', '.join(f'{x:.2f}' for x in r['ratios'])}) |")
+        print(f"| {r['context']} | {r['engine_tok_s']:.2f} | {r['engine_dense_tok_s']:.2f} | "
+              f"{r['generate_tok_s']:.2f} | {r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | "
+              f"{r['packed_gain']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     return 0

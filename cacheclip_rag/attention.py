@@ -115,20 +115,27 @@ def _eager_with_weights(module, query, key, value, mask, *, scaling, softcap):
 
 def one_row_attention(query, key, value, mask, *, scaling, softcap) -> torch.Tensor:
     """Attention [B, 1, H, D] of one query row [B, H, 1, D] (a decode step) over keys/values [B, KV, N, D]:
-    each KV head's query heads as one matmul over the unrepeated keys, softmax in float32. On the CPU this
-    took 0.3 ms a layer against sdpa's 5.0 ms for one row over 4K rows (bench/RESULTS.md, issue 50): sdpa
-    copies the keys once per query head (`repeat_kv`) and runs its blocked kernel for a single row."""
+    for each sequence and KV head, its query heads as one `mm` against the unrepeated keys (a transposed
+    operand, not a copy), softmax in float32. On the CPU this took 0.3 ms a layer against sdpa's 5.0 ms for
+    one row over 4K rows (bench/RESULTS.md, issue 50): sdpa copies the keys once per query head
+    (`repeat_kv`) and runs its blocked kernel for a single row. A batched `matmul` over the cache's slice
+    (strided: the cache holds room to grow) copied the keys and values every layer, 2-4x slower here."""
     batch, heads, _, dim = query.shape
     kv_heads, rows = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h reads KV head h // group
-    scores = torch.matmul(grouped, key.transpose(2, 3)).float().mul_(scaling)  # [B, KV, group, N]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:  # [B, 1, 1, N], additive or boolean (allowed)
-        mask = mask[..., :rows].reshape(mask.shape[0], 1, 1, rows)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    return torch.matmul(probs, value).reshape(batch, 1, heads, dim)
+        mask = mask[..., :rows].reshape(mask.shape[0], rows)
+    out = torch.empty(batch, kv_heads, heads // kv_heads, dim, dtype=value.dtype, device=value.device)
+    for b in range(batch):
+        for h in range(kv_heads):
+            scores = torch.mm(grouped[b, h], key[b, h].t()).float().mul_(scaling)  # [group, N]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if mask is not None:
+                row = mask[b if mask.shape[0] > 1 else 0]
+                scores = scores.masked_fill(~row, float("-inf")) if row.dtype == torch.bool else scores + row.float()
+            torch.mm(torch.softmax(scores, dim=-1).to(value.dtype), value[b, h], out=out[b, h])
+    return out.reshape(batch, 1, heads, dim)
 
 
 def dense_attention(module, query, key, value, mask, *, scaling, softcap, **kwargs) -> torch.Tensor:

@@ -40,6 +40,11 @@ def test_one_row_attention_equals_eager_attention_with_every_mask_form(softcap):
         assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
     masked_out = one_row_attention(query, key, value, allowed, scaling=0.25, softcap=softcap)
     assert not torch.allclose(masked_out, one_row_attention(query, key, value, None, scaling=0.25, softcap=softcap))
+    # the cache's keys are a slice of a buffer with room to grow: strided, the same answer
+    room_k, room_v = torch.zeros(3, 2, 64, 16), torch.zeros(3, 2, 64, 16)
+    room_k[:, :, :40], room_v[:, :, :40] = key, value
+    strided = one_row_attention(query, room_k[:, :, :40], room_v[:, :, :40], allowed, scaling=0.25, softcap=softcap)
+    assert torch.equal(strided, masked_out)
 
 
 def test_one_row_attention_matches_sdpa_in_bfloat16():

@@ -189,8 +189,11 @@ def test_int8_aux_runs_on_a_bfloat16_aux():
     from cacheclip_rag.engine import Engine
     from cacheclip_rag.store import LMDBStore
 
+    from cacheclip_rag.packed_linear import pack_linears
+
     lm = tiny_model("llama")
     lm.model.to(torch.bfloat16)
+    pack_linears(lm.model)  # as load_model leaves a bf16 model on the CPU
     path = tempfile.mkdtemp()
     plain = Engine(primary=lm, store=LMDBStore(path), aux=lm, config=EngineConfig(store_path=path))
     quantized = Engine(primary=lm, store=plain.store, aux=lm, config=EngineConfig(store_path=path,

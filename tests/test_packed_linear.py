@@ -1,0 +1,88 @@
+"""oneDNN-prepacked bf16 linears: the same outputs as the dense model's, to bf16 rounding; the same
+fingerprint and stored caches; dense weights back on request; no-ops where they do not apply."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cacheclip_rag.models import load_model
+from cacheclip_rag.packed_linear import PackedLinear, pack_linears, packing_available, unpack_linears
+from cacheclip_rag.testing import tiny_model
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch lacks oneDNN's packed-linear ops")
+
+
+def bf16_tiny(arch: str):
+    lm = tiny_model(arch)
+    lm.model.to(torch.bfloat16)
+    return lm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_a_packed_model_gives_the_dense_models_logits(arch):
+    """Every linear swapped (Qwen2's q/k/v biases kept); logits within bf16 rounding of the dense model's,
+    for one row (a decode step) and many (prefill); the next token the same."""
+    lm = bf16_tiny(arch)
+    dense = copy.deepcopy(lm.model)
+    linears = sum(type(m) is nn.Linear for m in dense.modules())
+    assert pack_linears(lm.model) == linears > 0
+    assert not any(type(m) is nn.Linear for m in lm.model.modules())
+    ids = torch.tensor([lm.encode("Retrieval augmented generation reuses cached keys and values of documents.")])
+    with torch.inference_mode():
+        for rows in (ids, ids[:, :1]):
+            want, got = dense(rows).logits.float(), lm.model(rows).logits.float()
+            assert (got - want).abs().max() <= 0.02 * want.abs().max()
+            assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+def test_unpacking_gives_back_the_same_weights_and_a_tied_head_keeps_its_embedding():
+    lm = bf16_tiny("qwen2")
+    model = lm.model
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as Qwen2.5-0.5B's head is
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    pack_linears(model)
+    assert isinstance(model.lm_head, PackedLinear)
+    assert torch.equal(model.model.embed_tokens.weight, original["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head.weight, original["model.embed_tokens.weight"])
+    assert "model.layers.0.self_attn.q_proj.weight" not in dict(model.named_parameters())  # no second copy
+    assert unpack_linears(model) > 0
+    assert all(torch.equal(p, original[name]) for name, p in model.named_parameters() if name in original)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, original["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_packing_leaves_float32_models_alone_and_refuses_other_input():
+    lm = tiny_model("llama")
+    assert pack_linears(lm.model) == 0
+    assert any(type(m) is nn.Linear for m in lm.model.modules())
+    with pytest.raises(ValueError, match="bf16 CPU linear"):
+        PackedLinear(nn.Linear(4, 4))
+    packed = PackedLinear(nn.Linear(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bf16 input"):
+        packed(torch.ones(1, 4))
+
+
+def test_load_model_packs_a_bf16_model_after_its_fingerprint(tmp_path):
+    """The fingerprint (the stored caches' key) is the dense weights' hash, packed or not; float32 loads
+    plain; prepack=False keeps plain linears."""
+    lm = tiny_model("qwen2")
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    packed, plain = load_model(tmp_path, dtype="bfloat16"), load_model(tmp_path, dtype="bfloat16", prepack=False)
+    assert packed.fingerprint == plain.fingerprint
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in load_model(tmp_path, dtype="float32").model.modules())
+
+
+def test_a_packed_model_deep_copies():
+    lm = bf16_tiny("qwen2")
+    pack_linears(lm.model)
+    twin = copy.deepcopy(lm.model)
+    assert twin.model.layers[0].self_attn.q_proj.bias is not lm.model.model.layers[0].self_attn.q_proj.bias
+    ids = torch.tensor([lm.encode("cached keys and values")])
+    with torch.inference_mode():
+        assert torch.equal(twin(ids).logits, lm.model(ids).logits)
