@@ -205,6 +205,7 @@ def main() -> int:
     ap.add_argument("--report", type=Path, default=None, help="summarise --out's rows into this JSON, run nothing")
     ap.add_argument("--chunk-signal", type=Path, default=None, help="write the per-chunk signal rows here, run nothing else")
     ap.add_argument("--only-lost", action="store_true", help="only the cases the default loses (a diagnosis)")
+    ap.add_argument("--dtype", default="auto", help="the run's own dtype (float32 for a run made in float32)")
     args = ap.parse_args()
     cases = cases_of(args.run, args.length)
     rows = [json.loads(x) for x in args.out.read_text().splitlines()] if args.out.exists() else []
@@ -217,7 +218,8 @@ def main() -> int:
     conditions = args.conditions.split(",")
     for condition in conditions:  # before the models load
         parse_condition(condition)
-    engine = Engine.from_config(EngineConfig(primary=args.primary, aux=args.aux, store_path=args.store))
+    engine = Engine.from_config(EngineConfig(primary=args.primary, aux=args.aux, store_path=args.store,
+                                             dtype=args.dtype))
     count = token_counter(engine)
     if args.chunk_signal is not None:
         signal = []

@@ -567,6 +567,17 @@ def test_the_multichunk_family_puts_each_value_in_its_own_chunk_and_scores_stric
     assert values[right] > values[wrong] and right in sample.question and wrong in sample.question
     assert ruler.score(f"{right}, not {wrong}", sample.references, sample.wrong) == 1.0
     assert ruler.score(f"{wrong}, not {right}", sample.references, sample.wrong) == 0.0
+    firsts = []  # "older": ages in two halves of the context; the older captain first for even seeds only
+    for seed in range(8):
+        sample = ruler.generate("older", 2048, seed, count)
+        (right,), (wrong,) = sample.references, sample.wrong
+        ages = {n.key: int(n.value) for n in sample.needles[:2]}
+        assert ages[right] > ages[wrong] and 21 <= min(ages.values()) and right in sample.question
+        holders = [next(i for i, c in enumerate(ruler.sample_chunks(sample, count)) if f"the {key} is" in c)
+                   for key in (right, wrong)]
+        assert holders[0] != holders[1]
+        firsts.append(holders[0] < holders[1])
+    assert firsts == [seed % 2 == 0 for seed in range(8)]
     from cacheclip_rag.evaluation.profiles import PROFILES
 
     profile = PROFILES["multichunk"]

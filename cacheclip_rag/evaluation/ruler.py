@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 TASKS = ("single1", "single2", "single3", "multikey1", "multikey2", "multikey3", "multivalue", "multiquery")
 # answers spread over chunks (not RULER's; see `generate`): all the values of one key, each in its own part of
-# the context (2, 3, 4 values), and a comparison of two keys' values, which needs both
-MULTICHUNK_TASKS = ("spread2", "spread3", "spread4", "compare")
+# the context (2, 3, 4 values), and comparisons of two keys' values, which need both: of 7-digit numbers
+# ("compare", which Qwen2.5-0.5B answers in none of 13 cases even with full attention) and of ages ("older")
+MULTICHUNK_TASKS = ("spread2", "spread3", "spread4", "compare", "older")
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -102,6 +103,7 @@ SPECS: dict[str, TaskSpec] = {
     "spread3": TaskSpec("prose", "words", "numbers", values_per_key=3, spread=True),
     "spread4": TaskSpec("prose", "words", "numbers", values_per_key=4, spread=True),
     "compare": TaskSpec("prose", "words", "numbers", queries=2, spread=True, compare=True),
+    "older": TaskSpec("prose", "words", "ages", queries=2, spread=True, compare=True),
 }
 
 
@@ -138,6 +140,8 @@ def _noun_for(kind: str, plural: bool) -> str:
 
 
 def needle_sentence(key: str, value: str, value_kind: str) -> str:
+    if value_kind == "ages":
+        return f"The captain of the {key} is {value} years old."
     return f"One of the special magic {_noun_for(value_kind, True)} for {key} is: {value}."
 
 
@@ -164,6 +168,8 @@ class _Draw:
     def value(self, kind: str) -> str:
         if kind == "uuids":
             return self._uuid()
+        if kind == "ages":
+            return self._unique(lambda: str(self.rng.randint(21, 89)))
         return self._unique(lambda: str(self.rng.randint(1_000_000, 9_999_999)))
 
     def _uuid(self) -> str:
@@ -197,6 +203,11 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
         for key in asked
         for value in (draw.value(spec.value_kind) for _ in range(spec.values_per_key))
     ]
+    if spec.value_kind == "ages" and (int(needles[0].value) > int(needles[1].value)) != (seed % 2 == 0):
+        # the older captain comes first in the context for even seeds, second for odd: a method that picks by
+        # position is right half the time, not always
+        (a, va), (b, vb) = (needles[0].key, needles[1].value), (needles[1].key, needles[0].value)
+        needles[:2] = [Needle(a, va, needle_sentence(a, va, "ages")), Needle(b, vb, needle_sentence(b, vb, "ages"))]
     for _ in range(spec.distractors):
         key, value = draw.key(spec.key_kind), draw.value(spec.value_kind)
         needles.append(Needle(key, value, needle_sentence(key, value, spec.value_kind)))
@@ -219,6 +230,15 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
     else:
         for needle in placed:
             sentences.insert(rng.randint(0, len(sentences)), needle.sentence)
+    if spec.compare and spec.value_kind == "ages":
+        older = max(needles[:2], key=lambda n: int(n.value))
+        younger = needles[1] if older is needles[0] else needles[0]
+        return Sample(task=task, seed=seed, target_tokens=target_tokens, sentences=tuple(sentences),
+                      needles=tuple(needles), question=f"Whose captain is older, the {asked[0]}'s or the {asked[1]}'s?",
+                      answer_prefix=" The older captain is the captain of the", references=(older.key,),
+                      preamble="Some facts about ships' captains are hidden within the following text. Make sure "
+                               "to memorize them. I will quiz you about them afterwards.",
+                      wrong=(younger.key,))
     if spec.compare:
         larger = max(needles[:2], key=lambda n: int(n.value))
         smaller = needles[1] if larger is needles[0] else needles[0]
