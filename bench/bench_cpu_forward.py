@@ -1,6 +1,8 @@
 """How fast the base forward runs on this CPU: the engine's full prefill (the path every method's forward
-takes) at 1K/2K/4K tokens in float32 and bfloat16, as effective GFLOP/s against the best GEMM the cores
-reach in the same run, and one decode step at the same context. Prints one table; `--json` writes the rows.
+takes) at 1K/2K/4K tokens in float32, bfloat16 (linears over oneDNN-prepacked weights, as `load_model`
+leaves a bf16 CPU model) and `bfloat16-dense` (the same with plain linears), as effective GFLOP/s against the
+best GEMM the cores reach in the same run, and one decode step at the same context. Prints one table;
+`--json` writes the rows.
 
 FLOPs are counted, not measured: 2 per weight of every decoder linear per token, the head on the last token
 only (`logits_to_keep=1`), and 4 * heads * head_dim per causal query-key pair (scores and values). The
@@ -26,13 +28,12 @@ sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.ingest import kv_layout, new_cache  # noqa: E402
 from cacheclip_rag.models import LoadedModel, cpu_has_native_bf16, load_model, text_config  # noqa: E402
+from cacheclip_rag.packed_linear import PackedLinear  # noqa: E402
 from cacheclip_rag.recompute import forward_at  # noqa: E402
 
+LINEARS = (torch.nn.Linear, PackedLinear)
+
 GEMM_SHAPES = ((2048, 2048, 2048), (2048, 896, 4864), (4096, 4864, 896))
-
-
-def name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def gemm_peak(dtype: torch.dtype, repeats: int = 5) -> float:
@@ -53,8 +54,9 @@ def prefill_gflop(lm: LoadedModel, tokens: int) -> float:
     config = text_config(lm.model)
     head_dim = kv_layout(lm)[2]
     layers = lm.model.model.layers
-    linear = sum(m.weight.numel() for m in layers.modules() if isinstance(m, torch.nn.Linear))
-    head = lm.model.get_output_embeddings().weight.numel()
+    linear = sum(m.in_features * m.out_features for m in layers.modules() if isinstance(m, LINEARS))
+    head = lm.model.get_output_embeddings()
+    head = head.in_features * head.out_features
     pairs = tokens * (tokens + 1) // 2
     attention = 4 * config.num_attention_heads * head_dim * pairs * len(layers)
     return (2 * linear * tokens + 2 * head + attention) / 1e9
@@ -80,14 +82,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-coder-0.5b")
     p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16,bfloat16-dense")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-    models = {dtype: load_model(args.model, dtype=dtype) for dtype in dtypes}
-    peaks = {dtype: gemm_peak(dtype) for dtype in dtypes}
+    dtypes = args.dtypes.split(",")  # a dtype's name; "-dense": its linears left unpacked
+    models = {d: load_model(args.model, dtype=d.removesuffix("-dense"), prepack=not d.endswith("-dense"))
+              for d in dtypes}
+    peaks = {d: gemm_peak(getattr(torch, d.removesuffix("-dense"))) for d in dtypes}
     vocab = models[dtypes[0]].config.vocab_size
     lengths = [int(x) for x in args.lengths.split(",")]
     gflops = {length: prefill_gflop(models[dtypes[0]], length) for length in lengths}
@@ -96,14 +99,14 @@ def main() -> int:
         ids = torch.randint(1000, min(vocab, 100_000), (1, length), generator=torch.Generator().manual_seed(length))
         for dtype in dtypes:
             time_prefill(models[dtype], ids[:, :64], 1)  # warm
-        runs: dict[torch.dtype, list[tuple[float, float]]] = {dtype: [] for dtype in dtypes}
+        runs: dict[str, list[tuple[float, float]]] = {dtype: [] for dtype in dtypes}
         for r in range(args.repeats):  # alternating, so load on the machine hits every dtype
             for dtype in (dtypes if r % 2 == 0 else dtypes[::-1]):
                 runs[dtype].append(time_prefill(models[dtype], ids, args.decode_steps))
         for dtype in dtypes:
             prefill = statistics.median(t for t, _ in runs[dtype])
             gflop = gflops[length]
-            rows.append({"model": args.model, "dtype": name(dtype), "tokens": length,
+            rows.append({"model": args.model, "dtype": dtype, "tokens": length,
                          "prefill_s": prefill, "prefill_s_runs": [t for t, _ in runs[dtype]], "gflop": gflop,
                          "gflop_per_s": gflop / prefill, "peak_gemm_gflop_per_s": peaks[dtype],
                          "share_of_peak": gflop / prefill / peaks[dtype],
@@ -112,7 +115,7 @@ def main() -> int:
                          "repeats": args.repeats, "date": datetime.date.today().isoformat()})
     base = {(r["tokens"]): r for r in rows if r["dtype"] == "float32"}
     print(f"\n{args.model}, {torch.get_num_threads()} threads, native bf16: {cpu_has_native_bf16()}; "
-          f"peak GEMM {', '.join(f'{name(d)} {v:.0f} GFLOP/s' for d, v in peaks.items())}; median of {args.repeats}")
+          f"peak GEMM {', '.join(f'{d} {v:.0f} GFLOP/s' for d, v in peaks.items())}; median of {args.repeats}")
     print("| tokens | dtype | prefill s | GFLOP/s | of peak GEMM | prefill speed-up vs float32 | decode step ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

