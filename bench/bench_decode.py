@@ -88,7 +88,8 @@ def main() -> int:
         runs = {"engine": lambda: engine_rate(engine, chunks, args.tokens),
                 "engine_dense": lambda: engine_rate(dense, chunks, args.tokens),
                 "generate": lambda: generate_rate(engine, stock, chunks, args.tokens)}
-        engine_rate(engine, chunks, 2), engine_rate(dense, chunks, 2)  # warm
+        for warm in (engine, dense):
+            engine_rate(warm, chunks, 2)
         rates: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(args.repeats):  # rotating, so load on the machine hits each
             for name in list(runs)[r % 3:] + list(runs)[:r % 3]:

@@ -301,7 +301,7 @@ def load_model(
     SmolLM2-135M-Instruct, completion for the base Gemma 3 270M, and the Qwen2.5-Coder instruct pair's
     own ChatML template. `cache_dir`: where the embedded models are converted once (default: the user
     cache, `config.default_cache_dir`). `prepack`: a bf16 model on the CPU gets its linears' weights
-    reordered once into oneDNN's layout (`packed_linear`; decode steps ~2x faster), after its fingerprint
+    reordered once into oneDNN's layout (`packed_linear`; decode steps ~1.6x faster), after its fingerprint
     is taken from the dense weights."""
     name = str(source)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -203,11 +203,11 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
         for key in asked
         for value in (draw.value(spec.value_kind) for _ in range(spec.values_per_key))
     ]
-    if spec.value_kind == "ages" and (int(needles[0].value) > int(needles[1].value)) != (seed % 2 == 0):
+    if spec.value_kind == "ages":
         # the older captain comes first in the context for even seeds, second for odd: a method that picks by
         # position is right half the time, not always
-        (a, va), (b, vb) = (needles[0].key, needles[1].value), (needles[1].key, needles[0].value)
-        needles[:2] = [Needle(a, va, needle_sentence(a, va, "ages")), Needle(b, vb, needle_sentence(b, vb, "ages"))]
+        ages = sorted((n.value for n in needles[:2]), key=int, reverse=seed % 2 == 0)
+        needles[:2] = [Needle(n.key, age, needle_sentence(n.key, age, "ages")) for n, age in zip(needles[:2], ages)]
     for _ in range(spec.distractors):
         key, value = draw.key(spec.key_kind), draw.value(spec.value_kind)
         needles.append(Needle(key, value, needle_sentence(key, value, spec.value_kind)))
@@ -230,18 +230,16 @@ def generate(task: str, target_tokens: int, seed: int, count_tokens: Callable[[s
     else:
         for needle in placed:
             sentences.insert(rng.randint(0, len(sentences)), needle.sentence)
-    if spec.compare and spec.value_kind == "ages":
-        older = max(needles[:2], key=lambda n: int(n.value))
-        younger = needles[1] if older is needles[0] else needles[0]
-        return Sample(task=task, seed=seed, target_tokens=target_tokens, sentences=tuple(sentences),
-                      needles=tuple(needles), question=f"Whose captain is older, the {asked[0]}'s or the {asked[1]}'s?",
-                      answer_prefix=" The older captain is the captain of the", references=(older.key,),
-                      preamble="Some facts about ships' captains are hidden within the following text. Make sure "
-                               "to memorize them. I will quiz you about them afterwards.",
-                      wrong=(younger.key,))
     if spec.compare:
         larger = max(needles[:2], key=lambda n: int(n.value))
         smaller = needles[1] if larger is needles[0] else needles[0]
+        if spec.value_kind == "ages":
+            return Sample(task=task, seed=seed, target_tokens=target_tokens, sentences=tuple(sentences),
+                          needles=tuple(needles), question=f"Whose captain is older, the {asked[0]}'s or the "
+                          f"{asked[1]}'s?", answer_prefix=" The older captain is the captain of the",
+                          references=(larger.key,), wrong=(smaller.key,),
+                          preamble="Some facts about ships' captains are hidden within the following text. Make "
+                                   "sure to memorize them. I will quiz you about them afterwards.")
         values = _noun_for(spec.value_kind, plural=True)
         preamble = ruler_wording(asked, spec.value_kind)[0]
         question = (f"Which has the larger special magic number, {asked[0]} or {asked[1]}? Compare the special "
