@@ -138,8 +138,8 @@ def convert_gguf(gguf_path: Path, cache: Path, chat_template: str | None = None)
 
     Loading GGUF dequantises on every load (tens of seconds); the folder reloads in seconds.
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    content = content_hash(gguf_path, Path(cache) / "converted" / ".sources")
+    key = hashlib.sha256(f"{content}|{chat_template or ''}".encode()).hexdigest()[:12]
     folder = Path(cache) / "converted" / f"{gguf_path.stem}-{key}"
     if (folder / "config.json").exists() and (folder / ".complete").exists():
         return folder
@@ -149,6 +149,28 @@ def convert_gguf(gguf_path: Path, cache: Path, chat_template: str | None = None)
         if (folder / "config.json").exists() and (folder / ".complete").exists():
             return folder
         return _convert(gguf_path, folder, chat_template)
+
+
+def content_hash(path: Path, memo: Path) -> str:
+    """sha256 of `path`'s bytes, remembered in `memo` under its path, size and mtime: the same file in
+    another virtual environment (a new path) maps to the same conversion, not one more copy of it."""
+    stat = path.stat()
+    seen = memo / hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    try:
+        known = seen.read_text().strip()
+        if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+            return known
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    memo.mkdir(parents=True, exist_ok=True)
+    tmp = seen.with_name(f"{seen.name}.tmp{os.getpid()}")
+    tmp.write_text(digest.hexdigest())
+    tmp.rename(seen)  # whole or absent
+    return digest.hexdigest()
 
 
 def _convert(gguf_path: Path, folder: Path, chat_template: str | None) -> Path:

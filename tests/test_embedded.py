@@ -6,10 +6,11 @@ import hashlib
 import importlib
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from cacheclip_rag.embedded import SPLIT_GGUFS, SplitGGUF, assemble
+from cacheclip_rag.embedded import SPLIT_GGUFS, SplitGGUF, assemble, content_hash, convert_gguf
 
 PARTS = [b"GGUF" + b"\x03" * 60, b"second part " * 7, b"third and last"]
 
@@ -71,6 +72,36 @@ def test_a_damaged_part_is_refused_by_hash_and_nothing_is_left(fake_parts, tmp_p
     with pytest.raises(ValueError, match="sha256 .* not the pinned"):
         assemble(spec, tmp_path / "out.gguf")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out.gguf.lock"]
+
+
+def test_the_same_gguf_at_another_path_reuses_its_conversion(tmp_path, monkeypatch):
+    """The conversion is keyed by the file's bytes (and the chat template), not its path and mtime: a model
+    package in a second virtual environment used to convert again into one more 0.5 GB folder each time.
+    A changed file (same size, one byte) or another template gets its own folder."""
+    from cacheclip_rag import embedded
+
+    data = b"GGUF" + bytes(range(256)) * 40
+    first, second = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    converted: list[Path] = []
+
+    def fake_convert(gguf_path, folder, chat_template):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / ".complete").touch()
+        converted.append(folder)
+        return folder
+
+    monkeypatch.setattr(embedded, "_convert", fake_convert)
+    cache = tmp_path / "cache"
+    folder = convert_gguf(first, cache)
+    assert convert_gguf(second, cache) == folder and converted == [folder]
+    assert content_hash(second, cache / "converted" / ".sources") == hashlib.sha256(data).hexdigest()
+    assert convert_gguf(first, cache, chat_template="{{ x }}") != folder
+    second.write_bytes(data[:-1] + b"\x00")
+    assert convert_gguf(second, cache) not in (folder, converted[1]) and len(converted) == 3
 
 
 def test_the_pinned_real_parts_match_the_issue():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.evaluation import report, ruler, runner
 from cacheclip_rag.evaluation.alignment import _spread, char_attention, compare
 from cacheclip_rag.evaluation.fidelity import (first_token_kl, greedy_agreement, sequence_log_likelihood,
@@ -299,6 +300,20 @@ def test_quality_judges_each_method_against_the_must_hold_by_paired_ratios_of_me
     text = report.markdown(records, [], 0.2)
     assert "| cacheclip @ 0.2 | 20 | 0.95 [" in text and "| 0.20 [0.20, 0.20] | met | met | met |" in text
     assert "| oracle @ 0.2 | 20 | 0.75 [" in text and "| not met | met | not met |" in text
+
+
+def test_quality_marks_the_shipped_default_the_row_a_request_without_options_gets():
+    """Exactly one row is the default: the variant whose request equals RequestOptions() at its ratio (the
+    question's selection at 0.2); the paper's aux selection at 0.2 and the default selection at 0.3 are not."""
+    seeds = range(3)
+    records = [record(s, "full", None, 0.0) for s in seeds]
+    records += [record(s, v, r, 0.01) for s in seeds
+                for v, r in (("shared_prefix", None), ("cacheclip", 0.2), ("cacheclip_requery", 0.2),
+                             ("cacheclip_requery", 0.3))]
+    rows = report.quality(records, 160)["methods"]
+    assert [(m["method"], m["ratio"]) for m in rows if m["default"]] == [("cacheclip_requery", 0.2)]
+    assert runner.VARIANTS["cacheclip_requery"].options(0.2) == RequestOptions()
+    assert runner.VARIANTS["cacheclip"].options(0.2).selection == "aux"
 
 
 def test_cross_budget_pairs_cacheclip_with_cacheblend_only_at_larger_ratios_on_shared_samples(tmp_path):

@@ -269,6 +269,20 @@ def test_evict_on_a_full_disk_frees_space(tmp_path):
     assert exit_code_in_fork(_evict_on_a_full_disk, str(tmp_path)) == 0
 
 
+def test_evict_works_in_a_process_that_opened_the_store_with_a_smaller_map(tmp_path):
+    """LMDB maps exactly the used pages of a file larger than the map size asked for (as `cacheclip evict`
+    opens a store past 1 GiB): the map is full before the first deletion, which copies tree pages first. It
+    used to fail with MDB_MAP_FULL, so the operator's one remedy for a full store failed too."""
+    with LMDBStore(tmp_path) as store:
+        write(store, 0, 40)
+    with LMDBStore(tmp_path, map_size=1 << 20) as store:
+        info = store.env.info()
+        assert (info["last_pgno"] + 1) * store.env.stat()["psize"] == info["map_size"]  # full to the last page
+        assert store.evict(0) == 40 and read_all(store, 41) == 0
+        write(store, 40, 44)  # and the freed space takes new entries
+        assert read_all(store, 45) == 4
+
+
 def test_cacheclip_evict_on_a_disk_that_refuses_every_write_prints_one_line(tmp_path):
     with LMDBStore(tmp_path) as store:
         write(store, 0, 30)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from ..config import Diagnostics, RequestOptions
 from . import ruler
 
 
@@ -29,6 +31,17 @@ class Variant:
     @property
     def uses_ratio(self) -> bool:
         return self.method in ("cacheblend", "cacheclip", "oracle") and self.fixed_ratio is None
+
+    def options(self, ratio: float | None, **request: Any) -> RequestOptions:
+        """The request this variant makes at `ratio` (None: a method that takes none), with `request`'s
+        other options (decode budget, answer prefix)."""
+        ape = dict(ape_temperature=self.ape[0], ape_scale=self.ape[1]) if self.ape else {}
+        ratio = self.fixed_ratio if self.fixed_ratio is not None else ratio
+        diagnostics = Diagnostics(grouping=self.grouping, shared_prefix=self.shared_prefix,
+                                  exact_budget=self.exact_budget, boundary_tokens=self.boundary_tokens,
+                                  recompute_layers=self.recompute_layers)
+        return RequestOptions(method=self.method, ratio=ratio if ratio is not None else 0.0, selection=self.selection,
+                              aux_share=self.aux_share, diagnostics=diagnostics, **ape, **request)
 
 
 VARIANTS = {
@@ -60,6 +73,11 @@ VARIANTS = {
         Variant("cacheclip_requery_half", "cacheclip", selection="question", aux_share=0.5),
     )
 }
+
+def is_default(variant: str, ratio: float | None) -> bool:
+    """Whether `variant` at `ratio` is the method as shipped: the request a caller gets with no options."""
+    return variant in VARIANTS and VARIANTS[variant].options(ratio) == RequestOptions()
+
 
 GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only",
                 "cacheclip_requery", "cacheclip_requery_half")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .profiles import is_default
 from .runner import AlignmentRow, Record, cross_budget_differences, paired_differences, records_as_dicts, summary
 from .stats import bootstrap_ci
 
@@ -287,7 +288,9 @@ def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]]
         entry = {"method": r["variant"], "ratio": r["ratio"], "n": r["n"], "score": r["score"], "solved": r["solved"],
                  "tf_kl": r["tf_kl"], "tf_top1": r["tf_top1"], "first_token_kl": r["kl"],
                  "gold_ll_delta": r["gold_ll_delta"], "recompute_share": r["recomputed_share"],
-                 "recompute_share_range": [min(x.recomputed_share for x in mine), max(x.recomputed_share for x in mine)]}
+                 "recompute_share_range": [min(x.recomputed_share for x in mine),
+                                           max(x.recomputed_share for x in mine)],
+                 "default": is_default(r["variant"], r["ratio"])}
         if full is not None and full["score"]["mean"] > 0:
             pairs = [(x.score, base[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in base]
             entry["retention"] = _ratio_of_means(pairs)  # mean(method) / mean(full), resampled jointly

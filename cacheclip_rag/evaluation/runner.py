@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..config import Diagnostics, RequestOptions
+from ..config import RequestOptions
 from ..engine import Engine
 from ..models import PromptFormat, layer_types
 from . import ruler
@@ -84,14 +84,7 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
     base = dict(max_new_tokens=budget, answer_prefix=sample.answer_prefix, prompt_stops=False)
 
     def measure(variant: Variant, ratio: float | None):
-        ape = dict(ape_temperature=variant.ape[0], ape_scale=variant.ape[1]) if variant.ape else {}
-        ratio = variant.fixed_ratio if variant.fixed_ratio is not None else ratio
-        diagnostics = Diagnostics(grouping=variant.grouping, shared_prefix=variant.shared_prefix,
-                                  exact_budget=variant.exact_budget, boundary_tokens=variant.boundary_tokens,
-                                  recompute_layers=variant.recompute_layers)
-        options = RequestOptions(method=variant.method, ratio=ratio if ratio is not None else 0.0,
-                                 selection=variant.selection, aux_share=variant.aux_share, diagnostics=diagnostics,
-                                 **ape, **base)
+        options = variant.options(ratio, **base)
         started = time.perf_counter()
         plan = engine.plan(sample.question, chunks, options)
         prefill = engine.prefill(plan, options)

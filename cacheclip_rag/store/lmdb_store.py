@@ -328,6 +328,15 @@ class LMDBStore(Opening, Maintenance, Owners):
                 raise StoreFullError(f"cannot grow {self.path} to {new_size:,} bytes: {err}") from err
             self._verified.clear()
 
+    def _grow_for_delete(self, slack: int = 16 << 20) -> None:
+        """Room for a deletion's page copies in a full map: `slack` more bytes, past a cap too (a deletion
+        frees far more than it copies, and the pages are written only if the file holds no free ones)."""
+        with self._lock.exclusive():
+            size = self.env.info()["map_size"]
+            log.info("growing LMDB map %s by %d bytes to delete entries", self.path, slack)
+            self.env.set_mapsize(size + slack)
+            self._verified.clear()
+
     def keys(self) -> Iterator[bytes]:
         """Every entry's key (a snapshot: no transaction stays open while the caller iterates)."""
         with self._transaction() as txn:
@@ -340,14 +349,25 @@ class LMDBStore(Opening, Maintenance, Owners):
         the disk refuses is a `StoreFullError`; what was deleted before it stays deleted."""
         lmdb = lmdb_module()
         keys = list(keys)
-        removed = 0
+        removed = at = grown = 0
         try:
-            for at in range(0, len(keys), batch):
-                with self._transaction(write=True) as txn:
-                    for k in keys[at : at + batch]:
-                        removed += bool(txn.delete(k, db=self._dbs[ENTRIES]))
-                        txn.delete(k, db=self._dbs[ACCESS])
-                        self._verified.pop(k, None)
+            while at < len(keys):
+                try:
+                    with self._transaction(write=True) as txn:
+                        gone = 0
+                        for k in keys[at : at + batch]:
+                            gone += bool(txn.delete(k, db=self._dbs[ENTRIES]))
+                            txn.delete(k, db=self._dbs[ACCESS])
+                except lmdb.MapFullError:  # a map filled to its last page (as a capped store is): a deletion
+                    if grown == 4:  # copies a few tree pages first, so the map takes a little more
+                        raise
+                    grown += 1
+                    self._grow_for_delete()
+                    continue
+                for k in keys[at : at + batch]:
+                    self._verified.pop(k, None)
+                removed += gone
+                at += batch
         except lmdb.Error as err:
             raise self._disk_error(err, f"deleted {removed} of {len(keys)} entries, then ") from err
         try:  # LMDB reuses pages freed by a commit only after the next commit; make the space usable now
