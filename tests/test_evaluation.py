@@ -241,6 +241,60 @@ def test_runner_resumes_and_drops_a_line_cut_short(make_engine, tmp_path):
         runner.run(engine, replace(profile, ratios=(0.3,)), progress=False, out_dir=out)
 
 
+def test_prepare_puts_entries_the_sample_then_reads_as_they_are(tmp_path):
+    """`prepare` runs once per sample on its RULER view, before the ingest: entries it stores under the
+    primary's keys (here another model's caches, as a transferred store holds) are read, not recomputed.
+    `full` reads no entry, so it is unchanged; shared-prefix reuse answers from the other model's caches. The
+    run's identity names the preparation: a folder refuses another."""
+    import copy
+
+    from cacheclip_rag.config import EngineConfig
+    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.ingest import SHARED, chunk_key, precompute, prefix_cache
+    from cacheclip_rag.models import PromptFormat
+    from cacheclip_rag.store import LMDBStore
+
+    primary, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    calls = []
+
+    def prepare(view, sample, chunks):
+        calls.append((sample.task, sample.seed, view.primary.prompt, list(chunks)))
+        src = copy.copy(other)
+        src.prompt = view.primary.prompt
+        system = view.config.system_prompt
+        precompute(src, view.store, chunks, system, progress=False)
+        ours, theirs = prefix_cache(view.primary, view.store, system), prefix_cache(src, view.store, system)
+        for text in chunks:
+            entry = view.store.get(chunk_key(src, theirs.token_ids, text, SHARED), src.fingerprint.digest)
+            view.store.put(chunk_key(view.primary, ours.token_ids, text, SHARED), view.primary.fingerprint.digest,
+                           entry)
+
+    def engine(name):
+        config = EngineConfig(store_path=tmp_path / name, system_prompt="Be brief.", store_dtype="float32", aux=None)
+        return Engine(primary=primary, store=LMDBStore(tmp_path / name), config=config, aux=None)
+
+    profile = replace(runner.PROFILES["quick"], lengths=(160,), tasks=("single1", "single2"), samples=1,
+                      variants=("full", "shared_prefix"), max_new_tokens=4)
+    plain = runner.run(engine("plain"), profile, progress=False)
+    out = tmp_path / "run"
+    moved = runner.run(engine("moved"), profile, progress=False, out_dir=out, prepare=prepare,
+                       identity={"transfer_from": other.name})
+    count = runner.token_counter(engine("plain"))
+    assert [(t, s) for t, s, _, _ in calls] == [("single1", 0), ("single2", 0)]
+    assert all(prompt == PromptFormat.ruler() for _, _, prompt, _ in calls)
+    assert calls[0][3] == ruler.sample_chunks(ruler.generate("single1", 160, 0, count), count)
+    by = {(r.task, r.variant): r for r in moved}
+    for r in plain:
+        if r.variant == "full":
+            assert (by[(r.task, "full")].output, by[(r.task, "full")].gold_ll) == (r.output, r.gold_ll)
+        else:
+            assert by[(r.task, "shared_prefix")].kl != pytest.approx(r.kl, abs=1e-6)
+    assert json.loads((out / runner.RUN_FILE).read_text())["transfer_from"] == other.name
+    with pytest.raises(ValueError, match="transfer_from"):
+        runner.run(engine("moved"), profile, progress=False, out_dir=out, prepare=prepare,
+                   identity={"transfer_from": "another"})
+
+
 def test_a_sweep_report_merges_another_run_over_the_same_samples_and_refuses_a_different_one(
         make_engine, tmp_path):
     from cacheclip_rag.cli import main

@@ -74,10 +74,18 @@ def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOption
     return text, list(stream.token_ids), prefill.timings
 
 
-def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, count: Callable[[str], int]) -> list[Record]:
+# called with the sample's engine view (RULER's layout), the sample and its chunks before they are ingested:
+# e.g. to put entries mapped from another model's caches in the store (a transferred store is then read as is)
+Prepare = Callable[[Engine, ruler.Sample, list[str]], None]
+
+
+def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, count: Callable[[str], int],
+                    prepare: Prepare | None = None) -> list[Record]:
     chunks = ruler.sample_chunks(sample, count)
     gold = engine.primary.encode(gold_answer(sample))
     engine = ruler_engine(engine, sample)  # a view in RULER's layout; the caller's engine is untouched
+    if prepare is not None:
+        prepare(engine, sample, chunks)
     engine.ingest(chunks, progress=False, direct="direct" in profile.variants)
     budget = max(profile.max_new_tokens, decode_budget(engine, sample), len(gold))
     # RULER decodes to its budget: no prompt-format stop string ends an answer early
@@ -213,10 +221,12 @@ def jobs_of(profile: Profile, seed: int = 0) -> list[tuple[str, int, int]]:
 
 
 def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, out_dir: Path | None = None,
-        limit_s: float | None = None) -> list[Record]:
+        limit_s: float | None = None, prepare: Prepare | None = None, identity: dict | None = None) -> list[Record]:
     """Every task x length x sample of `profile`, each answered by every variant and ratio. With
     `out_dir`, finished samples are appended there as they finish and a rerun resumes; `limit_s` stops
-    starting new samples after that many seconds (at least one runs; the run is resumed later)."""
+    starting new samples after that many seconds (at least one runs; the run is resumed later).
+    `prepare` runs before each sample's ingest (see `Prepare`); `identity` names what it does, so a folder
+    holds one kind of run."""
     unknown = [v for v in profile.variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
@@ -229,7 +239,7 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
         raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(ruler.SPECS)}")
     done: dict[tuple[str, int, int], list[Record]] = {}
     if out_dir is not None:
-        _check_run(out_dir, _run_identity(engine, profile, seed))
+        _check_run(out_dir, {**_run_identity(engine, profile, seed), **(identity or {})})
         done = load_records(out_dir, repair=True)
     count = token_counter(engine)
     jobs = jobs_of(profile, seed)
@@ -245,7 +255,7 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
             ran += 1
             task, length, sample_seed = job
             sample = ruler.generate(task, length, sample_seed, count)
-            done[job] = evaluate_sample(engine, sample, profile, count)
+            done[job] = evaluate_sample(engine, sample, profile, count, prepare)
             if out_dir is not None:
                 with open(out_dir / RECORDS_FILE, "a") as f:
                     f.write(json.dumps([asdict(r) for r in done[job]]) + "\n")

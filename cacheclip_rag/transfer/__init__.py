@@ -11,7 +11,7 @@ re-prefill everything. Instead (Heo et al. 2026, `../shared/seeds/kv-transfer-po
 3. Fit: per target layer, ridge `W = (XᵀX + λI)⁻¹ XᵀY` from the chosen source layers' features
    (all KV heads concatenated, plus a bias) to the target layer's features. Each output column is
    its own ridge problem, so this equals one fit per target KV head; head counts and head dims may
-   differ. XᵀX and XᵀY are accumulated in float64 over calibration texts (no activations held).
+   differ. XᵀX and XᵀY are summed in float64 over calibration texts (no activations held).
    λ is relative: λ · mean(diag XᵀX), so one setting fits every scale.
 4. Optionally (`mlp_hidden > 0`), a small residual MLP per target layer learns what the linear map
    leaves (the post reports it recovers pairs where linear fails).
