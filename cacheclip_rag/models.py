@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
-from .packed_linear import pack_linears, unpack_linears
+from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
 from .sources import check_model_source
 
 log = logging.getLogger(__name__)
@@ -327,10 +327,12 @@ def load_model(
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(tokenizer))
     if torch.device(device).type == "cpu":
         fit_threads_to_cores()
+        caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
         packed = pack_linears(model) if prepack else 0
-        log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked", name,
+        log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked%s", name,
                  str(torch_dtype).removeprefix("torch."), "native bf16" if cpu_has_native_bf16() else
-                 "no native bf16", torch.get_num_threads(), packed)
+                 "no native bf16", torch.get_num_threads(), packed,
+                 "".join(f", {k}={v}" for k, v in caps.items()))
     return loaded
 
 

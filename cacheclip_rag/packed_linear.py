@@ -17,9 +17,26 @@ copy that needs dense weights (the int8 scorer).
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
+
+# oneDNN keeps a primitive for every input shape a bf16 linear or matmul has seen (its own primitive cache, and
+# ideep's cache of computation parameters above it; 1,024 entries each by default), holding memory that grows
+# with the shape's rows. Prompts of ever new lengths then grow a process without end: here ~100 MB a 4K RULER
+# sample (an evaluation at 7 GB after 40 samples, 10 GB after 80), ~1.6 GB over 600 linears of random row
+# counts. 16 entries each hold every shape a decode step repeats; measured there: growth stops at ~0.3 GB.
+ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_CAPACITY = 16
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
+    """Cap both caches (see ONEDNN_CACHES) unless the environment sets them; returns the settings in force.
+    oneDNN reads them when it first runs a primitive: call this before a bf16 model's first forward."""
+    for name in ONEDNN_CACHES:
+        os.environ.setdefault(name, str(capacity))
+    return {name: os.environ[name] for name in ONEDNN_CACHES}
 
 
 def packing_available() -> bool:
