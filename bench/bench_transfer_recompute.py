@@ -137,20 +137,21 @@ def main() -> int:
     quality = json.loads(paths[f"quality_{args.length}"].read_text())
     mapping = map_times(log)
     rows, samples = [], {}
+    full = {(r.task, r.length, r.seed): r for r in records if r.variant == "full"}
+    reprefill = next(m for m in quality["methods"] if m["method"] == "full")["score"]["mean"]
+    direction = f"{small.name}->{large.name}"
     for entry in quality["methods"]:
         if entry["method"] not in ("shared_prefix", MAPPED):
             continue
         ratio = entry["ratio"]
         mine = [r for r in records if r.variant == entry["method"] and r.ratio == ratio]
-        full = {(r.task, r.length, r.seed): r for r in records if r.variant == "full"}
         paired = [(full[(r.task, r.length, r.seed)], r) for r in mine if (r.task, r.length, r.seed) in mapping]
         name = f"{label}+recompute@{ratio:g}" if ratio else f"{label}+store"
-        direction = f"{small.name}->{large.name}"
         rows.append({"source": small.name, "target": large.name, "mapper": name,
                      "r2_keys": statistics.fmean(v["key_r2"]), "r2_values": statistics.fmean(v["value_r2"]),
                      "gate": "pass" if mapper.passes_gate else "refused",
                      "tf_kl": entry["tf_kl"]["mean"], "niah_transfer": entry["score"]["mean"],
-                     "niah_reprefill": next(m for m in quality["methods"] if m["method"] == "full")["score"]["mean"],
+                     "niah_reprefill": reprefill,
                      "retention": entry["retention"]["mean"], "recompute_share": entry["recompute_share"],
                      "speedup": statistics.fmean(f.ttft_s for f, _ in paired) /
                      statistics.fmean(mapping[(r.task, r.length, r.seed)] + r.ttft_s for _, r in paired),

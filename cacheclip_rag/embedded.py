@@ -162,15 +162,13 @@ def content_hash(path: Path, memo: Path) -> str:
             return known
     except OSError:
         pass
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
     memo.mkdir(parents=True, exist_ok=True)
     tmp = seen.with_name(f"{seen.name}.tmp{os.getpid()}")
-    tmp.write_text(digest.hexdigest())
+    tmp.write_text(digest)
     tmp.rename(seen)  # whole or absent
-    return digest.hexdigest()
+    return digest
 
 
 def _convert(gguf_path: Path, folder: Path, chat_template: str | None) -> Path:

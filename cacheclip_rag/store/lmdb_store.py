@@ -311,30 +311,26 @@ class LMDBStore(Opening, Maintenance, Owners):
             )
         return StoreError(f"writing to {self.path} failed: {err}")
 
-    def _grow(self, needed: int) -> None:
+    def _grow(self, needed: int, *, past_cap: bool = False) -> None:
+        """More map for a write of `needed` bytes: double it (within the cap). `past_cap`: exactly `needed`
+        more, past a cap too, for a deletion's few page copies in a map full to its last page (it frees far
+        more than it copies; the pages are written only if the file holds no free ones)."""
         with self._lock.exclusive():  # no transaction of this process may be open while the map moves
             size = self.env.info()["map_size"]
-            new_size = max(size * 2, size + 2 * needed)
-            if self.max_bytes is not None:
-                if size >= self.max_bytes:
-                    raise StoreFullError(
-                        f"store {self.path} is full: its cap is {self.max_bytes:,} bytes; evict() entries or raise max_bytes"
-                    )
-                new_size = min(new_size, self.max_bytes)
+            if past_cap:
+                new_size = size + needed
+            else:
+                new_size = max(size * 2, size + 2 * needed)
+                if self.max_bytes is not None:
+                    if size >= self.max_bytes:
+                        raise StoreFullError(f"store {self.path} is full: its cap is {self.max_bytes:,} bytes; "
+                                             "evict() entries or raise max_bytes")
+                    new_size = min(new_size, self.max_bytes)
             log.info("growing LMDB map %s from %d to %d bytes", self.path, size, new_size)
             try:
                 self.env.set_mapsize(new_size)
             except lmdb_module().Error as err:
                 raise StoreFullError(f"cannot grow {self.path} to {new_size:,} bytes: {err}") from err
-            self._verified.clear()
-
-    def _grow_for_delete(self, slack: int = 16 << 20) -> None:
-        """Room for a deletion's page copies in a full map: `slack` more bytes, past a cap too (a deletion
-        frees far more than it copies, and the pages are written only if the file holds no free ones)."""
-        with self._lock.exclusive():
-            size = self.env.info()["map_size"]
-            log.info("growing LMDB map %s by %d bytes to delete entries", self.path, slack)
-            self.env.set_mapsize(size + slack)
             self._verified.clear()
 
     def keys(self) -> Iterator[bytes]:
@@ -362,7 +358,7 @@ class LMDBStore(Opening, Maintenance, Owners):
                     if grown == 4:  # copies a few tree pages first, so the map takes a little more
                         raise
                     grown += 1
-                    self._grow_for_delete()
+                    self._grow(16 << 20, past_cap=True)
                     continue
                 for k in keys[at : at + batch]:
                     self._verified.pop(k, None)
