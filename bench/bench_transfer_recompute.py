@@ -156,14 +156,14 @@ def main() -> int:
                      "speedup": statistics.fmean(f.ttft_s for f, _ in paired) /
                      statistics.fmean(mapping[(r.task, r.length, r.seed)] + r.ttft_s for _, r in paired),
                      "n": entry["n"], "length": args.length, "date": datetime.date.today().isoformat(),
-                     "_retention_ci": [entry["retention"]["low"], entry["retention"]["high"]],
-                     "_solved": entry["solved"], "_tf_kl": entry["tf_kl"]})
+                     "retention_ci": [entry["retention"]["low"], entry["retention"]["high"]],
+                     "tf_kl_ci": [entry["tf_kl"]["low"], entry["tf_kl"]["high"]]})
         samples[f"{direction} {name}"] = [{"direction": direction, "mapper": name, "task": r.task, "seed": r.seed,
                                             "score": r.score, "full_score": f.score, "tf_kl": r.tf_kl,
                                             "ttft_s": r.ttft_s, "full_ttft_s": f.ttft_s,
                                             "map_s": mapping[(r.task, r.length, r.seed)]} for f, r in paired]
     for r in rows:
-        print(f"{r['mapper']}: retention {r['retention']:.2f} {[round(x, 2) for x in r['_retention_ci']]}, "
+        print(f"{r['mapper']}: retention {r['retention']:.2f} {[round(x, 2) for x in r['retention_ci']]}, "
               f"KL {r['tf_kl']:.3f}, speed-up {r['speedup']:.1f}x, n = {r['n']}")
     write_rows(Path(args.json), rows, samples)
     return 0

@@ -258,7 +258,8 @@ class Engine:
         timings.decode_tokens = max(0, len(generated) - 1)
         timings.decode_s = time.perf_counter() - started - timings.ttft_s
         stream.answer = Answer(
-            text="".join(pieces), token_ids=generated, method=options.method, ratio=options.ratio,
+            text="".join(pieces), token_ids=generated, method=options.method,
+            ratio=options.ratio if prefill.ratio is None else prefill.ratio,
             prompt_tokens=length, recomputed_tokens=prefill.recomputed_rows,
             first_logits=prefill.logits, timings=timings, reused_tokens=prefill.reused_tokens,
         )

@@ -27,6 +27,7 @@ from .selection import (
     question_attention,
     value_deviation,
 )
+from .spread import answer_spread
 
 if TYPE_CHECKING:
     from .cache import BlendedCache
@@ -125,11 +126,30 @@ def _load_while_aux_selects(parts: Parts, plan: Plan, options: RequestOptions, *
     return cache, chosen
 
 
+def spread_budget(plan: Plan, options: RequestOptions) -> RequestOptions:
+    """`options` at `spread_ratio` when that is more than the ratio and the question's subject is in two
+    chunks or more (`spread.answer_spread`); ratio 0 (reuse alone) and ratio 1 are left as asked."""
+    if options.spread_ratio is None or not 0.0 < options.ratio < options.spread_ratio:
+        return options
+    if not answer_spread(plan.question, plan.texts).spread:
+        return options
+    return replace(options, ratio=options.spread_ratio)
+
+
 def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """CacheClip: load (the aux's pick overlapped) -> select -> recompute. `selection="aux"`, the paper's:
     the aux's pick is the selection. `"question"` (the default): the question's attention over the loaded
-    cache picks the budget, after the aux's pick of `aux_share` of it (none at 0) was recomputed."""
+    cache picks the budget, after the aux's pick of `aux_share` of it (none at 0) was recomputed. A question
+    whose subject several chunks hold gets `spread_ratio`'s budget (`spread_budget`)."""
     trace = _trace(parts, options)
+    with trace.stage("select"):
+        options = spread_budget(plan, options)
+    prefill = _prefill_cacheclip_at(parts, plan, options, trace)
+    prefill.ratio = options.ratio
+    return prefill
+
+
+def _prefill_cacheclip_at(parts: Parts, plan: Plan, options: RequestOptions, trace: Trace) -> Prefill:
     if options.selection == "aux":
         cache, chosen = _load_while_aux_selects(parts, plan, options, trace=trace, selecting=options)
         return _recompute(parts, plan, options, trace=trace, cache=cache, chosen=chosen)

@@ -153,6 +153,7 @@ class Prefill:
     chunk_scaling: ChunkScaling | None = None  # APE's attention on the chunk rows, kept while decoding
     reused_tokens: int = 0  # prompt tokens whose K/V were read from the store and kept as read
     extra_recomputed: int = 0  # rows recomputed before, then again among recomputed_positions (two-stage selection)
+    ratio: float | None = None  # the ratio the method ran at, where it chose one (cacheclip's spread budget)
 
     @property
     def recomputed_rows(self) -> int:

@@ -426,6 +426,23 @@ def test_ingest_over_http_makes_new_chunks_recognisable(engine):
     assert new in engine.store.texts()
 
 
+def test_usage_gives_the_ratio_a_request_ran_at_raised_for_a_subject_two_chunks_hold(engine):
+    """The spread budget (RequestOptions.spread_ratio): a question whose subject is in two of the pasted chunks
+    runs at 0.5 and usage says so; the same question over chunks where one holds it runs at the ratio asked."""
+    mill = ["The Osterby mill owned the boat Heron in the dry spring. " * 2,
+            "The Osterby mill owned the boat Tern in the wet autumn. " * 2,
+            "The bakery on the quay owned the boat Tern in the wet autumn. " * 2]
+    with running(engine) as (url, _):
+        httpx.post(url + "/v1/ingest", json={"documents": mill}, timeout=120).raise_for_status()
+        for chunks, ratio in ((mill[:2], 0.5), (mill[::2], 0.2)):
+            reply = client(url).chat.completions.create(
+                model="cacheclip", max_tokens=2, extra_body={"cacheclip": {"ratio": 0.2}}, messages=[
+                    {"role": "system", "content": "Context:\n" + "\n\n".join(chunks)},
+                    {"role": "user", "content": "Which boats did the Osterby mill own?"}])
+            usage = reply.usage.model_dump()["cacheclip"]
+            assert usage["chunks_recognised"] == 2 and usage["ratio"] == ratio
+
+
 def test_ingest_behind_the_clients_system_text_is_reused_by_the_first_request(tmp_path):
     """`/v1/ingest` with `system`: chunks computed behind the exact start of the prompts that paste them,
     and also as a message's last chunk (no separator after it); the first such request computes nothing

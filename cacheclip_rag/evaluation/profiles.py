@@ -27,6 +27,7 @@ class Variant:
     # "question" (cacheclip's default), after the aux's pick of aux_share of the budget
     selection: str = "aux"
     aux_share: float = 0.0
+    spread_ratio: float | None = None  # RequestOptions.spread_ratio (the shipped default: 0.5, `cacheclip_spread`)
 
     @property
     def uses_ratio(self) -> bool:
@@ -41,7 +42,8 @@ class Variant:
                                   exact_budget=self.exact_budget, boundary_tokens=self.boundary_tokens,
                                   recompute_layers=self.recompute_layers)
         return RequestOptions(method=self.method, ratio=ratio if ratio is not None else 0.0, selection=self.selection,
-                              aux_share=self.aux_share, diagnostics=diagnostics, **ape, **request)
+                              aux_share=self.aux_share, spread_ratio=self.spread_ratio, diagnostics=diagnostics,
+                              **ape, **request)
 
 
 VARIANTS = {
@@ -71,6 +73,9 @@ VARIANTS = {
         # the budget (requery 0), or over the cache after the aux's pick of half the budget was recomputed
         Variant("cacheclip_requery", "cacheclip", selection="question"),
         Variant("cacheclip_requery_half", "cacheclip", selection="question", aux_share=0.5),
+        # the default as shipped since issue 54: the question's selection, and ratio 0.5 for a question whose
+        # subject several chunks hold (`spread.answer_spread`)
+        Variant("cacheclip_spread", "cacheclip", selection="question", spread_ratio=0.5),
     )
 }
 
@@ -80,7 +85,7 @@ def is_default(variant: str, ratio: float | None) -> bool:
 
 
 GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only",
-                "cacheclip_requery", "cacheclip_requery_half")
+                "cacheclip_requery", "cacheclip_requery_half", "cacheclip_spread")
 MAIN_VARIANTS = ("full", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip")
 
 
@@ -117,7 +122,7 @@ PROFILES = {
     # partial credit RULER gives; 52 samples a length
     "multichunk": Profile(
         "multichunk", lengths=(2048, 4096), tasks=ruler.MULTICHUNK_TASKS, samples=13, ratios=(0.2,),
-        variants=("full", "shared_prefix", "cacheblend", "cacheclip_requery", "cacheclip", "oracle"),
+        variants=("full", "shared_prefix", "cacheblend", "cacheclip_requery", "cacheclip_spread", "cacheclip", "oracle"),
         alignment_lengths=(), alignment_samples=0, max_new_tokens=48,
     ),
     # the paired comparison at the headline budget, with power: 104 samples at 2K (run first: the

@@ -211,7 +211,7 @@ class Server:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": reused},
                 "cacheclip": {"method": planned.options.method if planned.plan is not None else "full",
-                              "ratio": planned.options.ratio,
+                              "ratio": answer.ratio if answer and planned.plan is not None else planned.options.ratio,
                               "selection": planned.options.selection, "aux_share": planned.options.aux_share,
                               "requery": planned.options.requery,  # the old spelling (deprecated)
                               "chunks_recognised": planned.chunks_recognised,
