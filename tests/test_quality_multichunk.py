@@ -26,18 +26,19 @@ def samples() -> list[list[dict]]:
     default = [1.0, 1.0, 2 / 3, 1.0]
     other = [1 / 3, 2 / 3, 1.0, 1.0]
     return [[record("full", s, full[s], ratio=None, ttft=4.0),
-             record("cacheclip_requery", s, default[s], tf_kl=0.1 * s, ttft=1.0),
+             record("cacheclip_spread", s, default[s], tf_kl=0.1 * s, ttft=1.0),
              record("other", s, other[s], ttft=2.0)] for s in range(4)]
 
 
 def test_strict_retention_counts_full_complete_samples_and_pairs_against_the_default(tmp_path):
     rows = {r["method"]: r for r in quality_multichunk.table(samples())}
-    default, other = rows["cacheclip_requery"], rows["other"]
+    default, other = rows["cacheclip_spread"], rows["other"]
     assert default["n"] == 3 and default["samples"] == 4
     assert default["strict_retention"]["kept"] == 2 and abs(default["strict_retention"]["mean"] - 2 / 3) < 1e-12
     assert abs(default["partial_retention"]["mean"] - (1 + 1 + 2 / 3) / 3) < 1e-12
     assert abs(default["tf_kl"]["mean"] - 0.15) < 1e-12 and default["ttft_speedup"] == 4.0
-    assert "paired_vs_default" not in default
+    assert "paired_vs_default" not in default and "paired_vs_before" not in default  # no before-run here
+    assert default["default"] and not other["default"]
     assert other["strict_retention"]["kept"] == 1
     assert other["paired_vs_default"] == {"n": 3, "wins": 1, "losses": 2, "sign_p": 1.0}
     run = tmp_path / "run"
@@ -45,6 +46,12 @@ def test_strict_retention_counts_full_complete_samples_and_pairs_against_the_def
     (run / "records.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples()))
     assert quality_multichunk.table(quality_multichunk.load([run])) == quality_multichunk.table(samples())
     assert "| 2048 | other | 0.2 | 3 | 1 = 0.33" in quality_multichunk.markdown(list(rows.values()))
+    # with the default before the spread budget in the same samples, the default's row is paired against it
+    before = [records + [dict(records[1], variant="cacheclip_requery", score=float(s == 0))]
+              for s, records in enumerate(samples())]
+    rows = {r["method"]: r for r in quality_multichunk.table(before)}
+    assert rows["cacheclip_spread"]["paired_vs_before"] == {"n": 3, "wins": 1, "losses": 0, "sign_p": 1.0}
+    assert rows["cacheclip_requery"]["paired_vs_default"] == {"n": 3, "wins": 0, "losses": 1, "sign_p": 1.0}
 
 
 def test_backfill_ranks_a_peaks_preceding_rows_with_it_and_around_marks_each_side():

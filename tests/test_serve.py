@@ -131,7 +131,6 @@ def test_a_layout_of_the_engines_own_prompt_gives_the_engines_own_answer(engine)
 
 
 def test_text_between_chunks_is_computed_and_ratio_one_is_full_prefill_of_the_layout(engine):
-    lm = engine.primary
     prompt = ("Notes first. " + CHUNKS[0] + " -- and then -- " + CHUNKS[2] + "\nQuestion: " + QUESTION + "\nAnswer:")
     found = layout(prompt, ChunkIndex(CHUNKS).find(prompt), QUESTION)
     assert len(found.chunks) == 2
@@ -428,19 +427,25 @@ def test_ingest_over_http_makes_new_chunks_recognisable(engine):
 
 def test_usage_gives_the_ratio_a_request_ran_at_raised_for_a_subject_two_chunks_hold(engine):
     """The spread budget (RequestOptions.spread_ratio): a question whose subject is in two of the pasted chunks
-    runs at 0.5 and usage says so; the same question over chunks where one holds it runs at the ratio asked."""
+    runs at 0.5 and usage says so; the same question over chunks where one holds it runs at the ratio asked;
+    `cacheclip.spread_ratio` sets the budget or (null) turns it off."""
     mill = ["The Osterby mill owned the boat Heron in the dry spring. " * 2,
             "The Osterby mill owned the boat Tern in the wet autumn. " * 2,
             "The bakery on the quay owned the boat Tern in the wet autumn. " * 2]
     with running(engine) as (url, _):
         httpx.post(url + "/v1/ingest", json={"documents": mill}, timeout=120).raise_for_status()
-        for chunks, ratio in ((mill[:2], 0.5), (mill[::2], 0.2)):
-            reply = client(url).chat.completions.create(
-                model="cacheclip", max_tokens=2, extra_body={"cacheclip": {"ratio": 0.2}}, messages=[
+        def ask(chunks, **ours):
+            return client(url).chat.completions.create(
+                model="cacheclip", max_tokens=2, extra_body={"cacheclip": {"ratio": 0.2, **ours}}, messages=[
                     {"role": "system", "content": "Context:\n" + "\n\n".join(chunks)},
-                    {"role": "user", "content": "Which boats did the Osterby mill own?"}])
-            usage = reply.usage.model_dump()["cacheclip"]
+                    {"role": "user", "content": "Which boats did the Osterby mill own?"}]).usage.model_dump()["cacheclip"]
+
+        for chunks, ours, ratio in ((mill[:2], {}, 0.5), (mill[::2], {}, 0.2), (mill[:2], {"spread_ratio": None}, 0.2),
+                                    (mill[:2], {"spread_ratio": 0.3}, 0.3)):
+            usage = ask(chunks, **ours)
             assert usage["chunks_recognised"] == 2 and usage["ratio"] == ratio
+        with pytest.raises(openai.BadRequestError, match="spread_ratio"):
+            ask(mill[:2], spread_ratio=2)
 
 
 def test_ingest_behind_the_clients_system_text_is_reused_by_the_first_request(tmp_path):
