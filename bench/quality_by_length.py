@@ -19,9 +19,10 @@ from cacheclip_rag.evaluation.profiles import is_default  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LABELS = {"shared_prefix": "shared-prefix reuse", "cacheblend": "CacheBlend", "cacheclip": "CacheClip, aux selection",
-          "cacheclip_requery": "CacheClip default (question selection)"}
+          "cacheclip_requery": "CacheClip, question selection alone (the default before issue 54)",
+          "cacheclip_spread": "CacheClip default (question selection + spread budget)"}
 COLORS = {"shared_prefix": "tab:blue", "cacheblend": "tab:orange", "cacheclip": "tab:green",
-          "cacheclip_requery": "tab:red"}
+          "cacheclip_requery": "tab:purple", "cacheclip_spread": "tab:red"}
 RETENTION_GOAL, RETENTION_FLOOR, KL_GOAL = 0.95, 0.88, 0.25  # issue 51's goals at 4K and 8K
 
 

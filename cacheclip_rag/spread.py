@@ -18,7 +18,7 @@ most informative phrase found in the chunks, and counts the chunks that hold it:
 Measured on the evaluation sets (RULER's generator, the seeds of the runs in bench/RESULTS.md: 13 samples a
 task at 2K and 4K, 7 at 8K; 18 at 4K for the spread tasks): the subject is in one chunk for every single-fact
 sample (single1-3, multikey1-3 among distractor keys, multiquery: 0 of 231 flagged) and in two chunks or more
-for 33 of 33 multivalue and 92 of 93 spread samples. It reads the words only, so a question that bridges
+for 33 of 33 multivalue and 92 of 93 spread samples (the other holds both its values in one chunk). It reads the words only, so a question that bridges
 two chunks through something it does not name ("the instrument that X added") is not flagged. On real
 documents (bench_docs_qa's questions over their four nearest paragraphs) it flags 3 of 11 single-fact
 questions, on weak shared phrases ("of the"): those requests pay the larger budget and lose nothing.
