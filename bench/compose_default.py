@@ -33,6 +33,7 @@ from cacheclip_rag.evaluation import report, ruler, runner  # noqa: E402
 from cacheclip_rag.spread import answer_spread  # noqa: E402
 
 BASE, DEFAULT = "cacheclip_requery", "cacheclip_spread"
+RATIO = RequestOptions().ratio  # the ratio a request without options asks for
 
 
 def compose(base: list, spread: list, flagged, from_ratio: float | None = None) -> tuple[list, dict]:
@@ -42,10 +43,10 @@ def compose(base: list, spread: list, flagged, from_ratio: float | None = None) 
     if from_ratio is None:
         measured = {(r.task, r.length, r.seed, r.ratio): r for r in spread if r.variant == DEFAULT}
     else:
-        measured = {(r.task, r.length, r.seed, 0.2): replace(r, variant=DEFAULT, ratio=0.2) for r in spread
+        measured = {(r.task, r.length, r.seed, RATIO): replace(r, variant=DEFAULT, ratio=RATIO) for r in spread
                     if r.variant == BASE and r.ratio == from_ratio}
     out, counts = list(runner.merge_runs([("base", base), ("spread", [r for r in spread if r.variant == "full"])])), {}
-    for r in [r for r in base if r.variant == BASE and r.ratio == RequestOptions().ratio]:
+    for r in [r for r in base if r.variant == BASE and r.ratio == RATIO]:
         key = (r.task, r.length, r.seed, r.ratio)
         if flagged(r.task, r.length, r.seed):
             if key not in measured:

@@ -1,19 +1,16 @@
 """Where a method's teacher-forced KL comes from, task by task (issue 51, item 3): its KL as a share of
-shared-prefix reuse's (sum over samples of its KL over the sum of reuse's, paired bootstrap 95%), per RULER
-task and pooled with and without the tasks named by --apart, from evaluation folders (records of several
-folders of one length are merged by sample, so a ratio sweep run apart pairs with its power run).
+shared-prefix reuse's (mean over mean, paired bootstrap 95%: `stats.ratio_of_means`, as the evaluation
+report), per RULER task and pooled with and without the tasks named by --apart, from evaluation folders
+(merged by sample as `cacheclip eval --merge` does, so a ratio sweep run apart pairs with its power run).
 
     python bench/kl_by_task.py bench/eval-qwen-2k bench/eval-qwen-2k-requery-budget bench/eval-qwen-4k \
         --ratios 0.2,0.3,0.5 --json bench/results/kl_by_task.json
-
-(a later folder's record of the same sample, variant and ratio is ignored)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,26 +18,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cacheclip_rag.evaluation import runner  # noqa: E402
 from cacheclip_rag.evaluation.ruler import TASKS  # noqa: E402
-
-
-def ratio_ci(pairs: list[tuple[float, float]], draws: int = 2000, seed: int = 0) -> dict:
-    """sum(method KL) / sum(reuse KL) with a paired bootstrap 95% interval over samples."""
-    def share(sample):
-        return sum(m for m, _ in sample) / max(sum(r for _, r in sample), 1e-12)
-
-    rng = random.Random(seed)
-    boot = sorted(share([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(draws))
-    return {"mean": share(pairs), "low": boot[int(0.025 * draws)], "high": boot[int(0.975 * draws) - 1], "n": len(pairs)}
+from cacheclip_rag.evaluation.stats import ratio_of_means  # noqa: E402
 
 
 def by_sample(folders: list[Path]) -> dict[int, dict[tuple, dict]]:
-    """length -> (task, seed) -> {(variant, ratio): record}."""
+    """length -> (task, seed) -> {(variant, ratio): record}, the folders merged (`runner.merge_runs`: a row two
+    folders hold must agree)."""
+    records = runner.merge_runs([(str(f), [r for rows in runner.load_records(f).values() for r in rows])
+                                 for f in folders])
     out: dict[int, dict[tuple, dict]] = defaultdict(lambda: defaultdict(dict))
-    for folder in folders:
-        for line in (folder / "records.jsonl").read_text().splitlines():
-            for r in json.loads(line):
-                out[r["length"]][(r["task"], r["seed"])].setdefault((r["variant"], r["ratio"]), r)
+    for r in records:
+        out[r.length][(r.task, r.seed)][(r.variant, r.ratio)] = r
     return out
 
 
@@ -49,7 +39,7 @@ def rows(folders: list[Path], variant: str, ratios: list[float], apart: tuple[st
     for length, samples in sorted(by_sample(folders).items()):
         for ratio in ratios:
             def pairs(keep):
-                return [(s[(variant, ratio)]["tf_kl"], s[("shared_prefix", None)]["tf_kl"])
+                return [(s[(variant, ratio)].tf_kl, s[("shared_prefix", None)].tf_kl)
                         for (task, _), s in samples.items()
                         if keep(task) and (variant, ratio) in s and ("shared_prefix", None) in s]
 
@@ -61,7 +51,7 @@ def rows(folders: list[Path], variant: str, ratios: list[float], apart: tuple[st
                 found = pairs(keep)
                 if found:
                     table.append({"length": length, "variant": variant, "ratio": ratio, "tasks": name,
-                                  "kl_share": ratio_ci(found)})
+                                  "kl_share": ratio_of_means(found)})
     return table
 
 

@@ -8,7 +8,7 @@ Per row (method, length, ratio), over the samples where `full` lists every value
 - `ttft_speedup`: mean TTFT of `full` over the method's (indicative: CPU, runs may share the machine);
 - `paired_vs_default`: strict wins/losses against the shipped default on the same samples, sign test (the
   default's own row: against the default before the spread budget, `paired_vs_before`);
-- `default`: whether the row is the shipped default (`cacheclip_spread` at 0.2).
+- `default`: whether the row is the shipped default (`profiles.is_default`: `cacheclip_spread` at 0.2).
 
     python bench/quality_multichunk.py bench/eval-multichunk bench/eval-multichunk-4k \
         --json bench/results/quality_multichunk.json --plot bench/results/quality_multichunk.png
@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cacheclip_rag.evaluation.profiles import is_default  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci, sign_test, wilson_interval  # noqa: E402
 
 DEFAULT = "cacheclip_spread"  # the variant that runs the shipped default (question selection + the spread budget)
@@ -66,7 +67,7 @@ def table(samples: list[list[dict]]) -> list[dict]:
                "partial_retention": _estimate(bootstrap_ci([r["score"] for _, r in solved])),
                "tf_kl": _estimate(bootstrap_ci([r["tf_kl"] for _, r in pairs])),
                "ttft_speedup": sum(f["ttft_s"] for f, _ in pairs) / sum(r["ttft_s"] for _, r in pairs)}
-        row["default"] = variant == DEFAULT and ratio == 0.2
+        row["default"] = is_default(variant, ratio)
         against = BEFORE if variant == DEFAULT else DEFAULT
         other = {(r["task"], r["seed"]): r for f, r in by_key.get((against, length, ratio), [])}
         if other:

@@ -30,6 +30,7 @@ RECOMPUTE_LAYERS = ("all", "sliding", "global")  # Diagnostics.recompute_layers
 # selectors of the methods of those names.
 SELECTIONS = ("question", "aux")
 DEFAULT_SELECTION = "question"
+SPREAD_RATIO = 0.5  # RequestOptions.spread_ratio's default
 
 
 CACHE_ENV = "CACHECLIP_CACHE"
@@ -57,6 +58,11 @@ def is_redis_url(location: str) -> bool:
 def _require_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def _is_fraction(value: object) -> bool:
+    """A number (not a bool, not NaN) in [0, 1]: a share of the chunk tokens."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0.0 <= value <= 1.0
 
 
 def _require_str(name: str, value: object) -> None:
@@ -178,7 +184,7 @@ class RequestOptions:
     # cacheclip recomputes at least this ratio when the question's subject is in two chunks or more (an answer
     # drawn from several chunks: `spread.answer_spread`); None: the ratio alone. At ratio 0.2 the lists such
     # questions ask for were kept in 0.74 of full's complete answers at 4K, at 0.5 in 0.93 (bench/RESULTS.md)
-    spread_ratio: float | None = 0.5
+    spread_ratio: float | None = SPREAD_RATIO
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -216,11 +222,9 @@ class RequestOptions:
                 raise ValueError("system_prompt (the shared prefix) must not be empty; None uses the engine's")
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or math.isnan(self.ratio) \
-                or not 0.0 <= self.ratio <= 1.0:
+        if not _is_fraction(self.ratio):
             raise ValueError(f"recompute ratio must be a number in [0, 1], got {self.ratio!r}")
-        if self.spread_ratio is not None and (isinstance(self.spread_ratio, bool) or not isinstance(
-                self.spread_ratio, (int, float)) or math.isnan(self.spread_ratio) or not 0.0 <= self.spread_ratio <= 1.0):
+        if self.spread_ratio is not None and not _is_fraction(self.spread_ratio):
             raise ValueError(f"spread_ratio must be None or a number in [0, 1], got {self.spread_ratio!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

@@ -156,8 +156,9 @@ def _prefill_cacheclip_at(parts: Parts, plan: Plan, options: RequestOptions, tra
     first = None
     if options.aux_share > 0.0 and options.ratio > 0.0:
         stage_one = replace(options, ratio=options.aux_share * options.ratio, selection="aux", aux_share=0.0)
+        before = trace.timings.select_s  # the spread check's
         cache, first = _load_while_aux_selects(parts, plan, options, trace=trace, selecting=stage_one)
-        trace.timings.select_s = 0.0  # the aux's stage overlaps the load; the select stage is the question's
+        trace.timings.select_s = before  # the aux's stage overlaps the load; the select stage is the question's
     else:
         cache = _load(parts, plan, options, trace)
     with trace.stage("select"):

@@ -13,7 +13,7 @@ import torch
 
 from .profiles import is_default
 from .runner import AlignmentRow, Record, cross_budget_differences, paired_differences, records_as_dicts, summary
-from .stats import bootstrap_ci
+from .stats import bootstrap_ci, ratio_of_means
 
 ORDER = ["full", "direct", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip", "oracle", "cacheclip_nogroup",
          "cacheclip_noprefix", "cacheclip_nominal", "cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only",
@@ -293,10 +293,10 @@ def quality(records: Sequence[Record], length: int, diffs: dict[str, list[dict]]
                  "default": is_default(r["variant"], r["ratio"])}
         if full is not None and full["score"]["mean"] > 0:
             pairs = [(x.score, base[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in base]
-            entry["retention"] = _ratio_of_means(pairs)  # mean(method) / mean(full), resampled jointly
+            entry["retention"] = ratio_of_means(pairs)  # mean(method) / mean(full), resampled jointly
         kl_pairs = [(x.tf_kl, shared[(x.task, x.seed)]) for x in mine if (x.task, x.seed) in shared]
         if r["variant"] not in ("full", "shared_prefix") and len(kl_pairs) > 1 and sum(b for _, b in kl_pairs) > 0:
-            entry["kl_share_of_shared_prefix"] = _ratio_of_means(kl_pairs)
+            entry["kl_share_of_shared_prefix"] = ratio_of_means(kl_pairs)
         if "retention" in entry and "kl_share_of_shared_prefix" in entry:
             entry["must_hold"] = must_hold(entry["retention"], entry["kl_share_of_shared_prefix"])
         out["methods"].append(entry)
@@ -308,22 +308,6 @@ def must_hold(retention: dict, kl_share: dict) -> dict:
     kept = retention["mean"] >= RETENTION_TARGET and retention["low"] >= RETENTION_FLOOR
     close = kl_share["mean"] <= KL_SHARE_TARGET
     return {"retention": kept, "kl": close, "met": kept and close}
-
-
-def _ratio_of_means(pairs: Sequence[tuple[float, float]], resamples: int = 10_000, seed: int = 0) -> dict:
-    """mean(a) / mean(b) over paired samples (a method's score over full's, or its KL over shared-prefix
-    reuse's), with a paired bootstrap 95% interval."""
-    import numpy as np
-
-    a = np.array([p[0] for p in pairs], dtype=np.float64)
-    b = np.array([p[1] for p in pairs], dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(a), size=(resamples, len(a)))
-    sa, sb = a[idx].mean(1), b[idx].mean(1)
-    ok = sb > 0
-    ratios = sa[ok] / sb[ok]
-    return {"mean": float(a.mean() / b.mean()), "low": float(np.quantile(ratios, 0.025)),
-            "high": float(np.quantile(ratios, 0.975)), "n": int(len(a))}
 
 
 def write(out_dir: Path, records: Sequence[Record], *, alignment: Sequence[AlignmentRow], maps: dict,

@@ -6,6 +6,8 @@ and a difference between methods is claimed only when its paired interval exclud
   sample i of method B), which removes the between-sample variance that unpaired intervals carry.
 - `sign_test`: exact two-sided sign test of paired differences (ties dropped).
 - `wilson_interval`: Wilson score interval of a proportion (scores in [0, 1] averaged over samples).
+- `ratio_of_means`: mean(a) / mean(b) over paired samples with a paired bootstrap interval (retention, a KL
+  share of another method's).
 """
 
 from __future__ import annotations
@@ -70,3 +72,17 @@ def wilson_interval(successes: float, n: int, level: float = 0.95) -> Estimate:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return Estimate(p, max(0.0, centre - half), min(1.0, centre + half), n)
+
+
+def ratio_of_means(pairs: Sequence[tuple[float, float]], resamples: int = 10_000, seed: int = 0) -> dict:
+    """mean(a) / mean(b) over paired samples (a method's score over full's, or its KL over shared-prefix
+    reuse's), with a paired bootstrap 95% interval."""
+    a = np.array([p[0] for p in pairs], dtype=np.float64)
+    b = np.array([p[1] for p in pairs], dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(a), size=(resamples, len(a)))
+    sa, sb = a[idx].mean(1), b[idx].mean(1)
+    ok = sb > 0
+    ratios = sa[ok] / sb[ok]
+    return {"mean": float(a.mean() / b.mean()), "low": float(np.quantile(ratios, 0.025)),
+            "high": float(np.quantile(ratios, 0.975)), "n": int(len(a))}

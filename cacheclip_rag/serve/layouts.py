@@ -64,7 +64,7 @@ def options_for(generation: Generation, defaults: Defaults) -> RequestOptions:
                               ratio=defaults.ratio if generation.ratio is None else generation.ratio,
                               selection=generation.selection or defaults.selection,
                               aux_share=generation.aux_share or 0.0,
-                              **({} if generation.spread_ratio == "default" else {"spread_ratio": generation.spread_ratio}),
+                              spread_ratio=generation.spread_ratio,
                               max_new_tokens=generation.max_tokens or 256, temperature=generation.temperature,
                               top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
     except (TypeError, ValueError) as err:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SELECTIONS
+from ..config import SELECTIONS, SPREAD_RATIO
 
 
 class APIError(Exception):
@@ -45,7 +45,7 @@ class Generation:
     ratio: float | None
     selection: str | None = None  # "question" | "aux" when the request names one
     aux_share: float | None = None
-    spread_ratio: float | None | str = "default"  # "default" when not named; null turns the spread budget off
+    spread_ratio: float | None = SPREAD_RATIO  # null turns the spread budget off
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,8 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
         raise APIError(400, f"'cacheclip.method' must be one of {', '.join(methods)}, got {method!r}", "cacheclip.method")
     ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, low=0.0, high=1.0)
     selection, aux_share = _selection(ours)
-    spread = "default" if "spread_ratio" not in ours else (
-        None if ours["spread_ratio"] is None else _number(ours, "spread_ratio", 0.5, low=0.0, high=1.0))
+    spread = None if "spread_ratio" in ours and ours["spread_ratio"] is None else _number(
+        ours, "spread_ratio", SPREAD_RATIO, low=0.0, high=1.0)
     return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, low=0.0, high=2.0),
                       top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0), stop=_strings(body.get("stop"), "stop", 4),
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
