@@ -40,10 +40,13 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]
 
 
 def packing_available() -> bool:
-    """Whether this torch has oneDNN and the reorder/linear ops its CPU inductor uses."""
+    """Whether this torch has oneDNN and the reorder/linear ops its CPU inductor uses, and this CPU runs
+    oneDNN's bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU the reorder raises,
+    and a bf16 model stays on plain linears)."""
     ops = torch.ops.mkldnn
     return torch.backends.mkldnn.is_available() and all(
-        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")
+    ) and bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):

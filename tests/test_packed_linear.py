@@ -19,7 +19,8 @@ from cacheclip_rag.packed_linear import (ONEDNN_CACHES, PackedLinear, pack_linea
 from cacheclip_rag.testing import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch lacks oneDNN's packed-linear ops")
+needs_packing = pytest.mark.skipif(not packing_available(),
+                                   reason="this torch lacks oneDNN's packed-linear ops, or this CPU its bf16 kernels")
 
 
 def bf16_tiny(arch: str):
@@ -28,6 +29,7 @@ def bf16_tiny(arch: str):
     return lm
 
 
+@needs_packing
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_a_packed_model_gives_the_dense_models_logits(arch):
     """Every linear swapped (Qwen2's q/k/v biases kept); logits within bf16 rounding of the dense model's,
@@ -45,6 +47,7 @@ def test_a_packed_model_gives_the_dense_models_logits(arch):
             assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
 
 
+@needs_packing
 def test_unpacking_gives_back_the_same_weights_and_a_tied_head_keeps_its_embedding():
     lm = bf16_tiny("qwen2")
     model = lm.model
@@ -60,6 +63,7 @@ def test_unpacking_gives_back_the_same_weights_and_a_tied_head_keeps_its_embeddi
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, original["model.layers.0.mlp.down_proj.weight"])
 
 
+@needs_packing
 def test_packing_leaves_float32_models_alone_and_refuses_other_input():
     lm = tiny_model("llama")
     assert pack_linears(lm.model) == 0
@@ -71,6 +75,7 @@ def test_packing_leaves_float32_models_alone_and_refuses_other_input():
         packed(torch.ones(1, 4))
 
 
+@needs_packing
 def test_load_model_packs_a_bf16_model_after_its_fingerprint(tmp_path):
     """The fingerprint (the stored caches' key) is the dense weights' hash, packed or not; float32 loads
     plain; prepack=False keeps plain linears."""
@@ -84,6 +89,7 @@ def test_load_model_packs_a_bf16_model_after_its_fingerprint(tmp_path):
     assert not any(isinstance(m, PackedLinear) for m in load_model(tmp_path, dtype="float32").model.modules())
 
 
+@needs_packing
 def test_a_packed_model_deep_copies():
     lm = bf16_tiny("qwen2")
     pack_linears(lm.model)
@@ -113,6 +119,7 @@ print(anon_mb() - warm)
 """
 
 
+@needs_packing
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssAnon from /proc")
 def test_memory_stops_growing_with_new_prompt_lengths_once_onednn_caches_are_bounded():
     """A bf16 linear run at 100 row counts, then at 300 new ones of the same sizes: with oneDNN's default
@@ -127,3 +134,19 @@ def test_memory_stops_growing_with_new_prompt_lengths_once_onednn_caches_are_bou
         grown[mode] = int(out.stdout.split()[-1])
     assert grown["default"] > 250, grown  # measured: +364 MB (twice); so this test can fail
     assert grown["bounded"] < grown["default"] - 200, grown  # measured: -85 to +112 MB
+
+
+def test_a_cpu_without_onednn_bf16_kernels_loads_a_bf16_model_on_plain_linears(tmp_path, monkeypatch):
+    """An AVX2-only CPU (no AVX-512 BW/VL/DQ): oneDNN's reorder would raise there, so nothing is packed and
+    a bf16 model loads and runs on plain linears, with the fingerprint it has elsewhere."""
+    lm = tiny_model("qwen2")
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    fingerprint = load_model(tmp_path, dtype="bfloat16", prepack=False).fingerprint
+    monkeypatch.setattr("cacheclip_rag.packed_linear.packing_available", lambda: False)
+    assert pack_linears(bf16_tiny("llama").model) == 0
+    plain = load_model(tmp_path, dtype="bfloat16")
+    assert plain.fingerprint == fingerprint and plain.dtype == torch.bfloat16
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    with torch.inference_mode():
+        assert plain.model(torch.tensor([plain.encode("cached keys")])).logits.dtype == torch.bfloat16

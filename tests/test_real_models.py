@@ -11,6 +11,7 @@ from cacheclip_rag.cli import demo_chunks
 from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine import Engine
 from cacheclip_rag.models import load_model
+from cacheclip_rag.packed_linear import packing_available
 from cacheclip_rag.store import LMDBStore
 from tests.conftest import has_embedded_models, max_diff
 
@@ -94,6 +95,7 @@ def test_bfloat16_keeps_the_invariants_within_its_rounding(tmp_path):
     assert kl(exact) < 0.1 * kl(reused), (kl(exact), kl(reused))
 
 
+@pytest.mark.skipif(not packing_available(), reason="this CPU lacks oneDNN's bf16 kernels (AVX-512 BW/VL/DQ)")
 def test_prepacked_linears_give_the_dense_models_logits_on_a_real_model():
     """SmolLM2-135M in bf16 (tied head): the prepacked model's logits over a real prompt equal the dense
     model's to bf16 rounding, and every greedy token is the same."""
