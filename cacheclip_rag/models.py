@@ -333,6 +333,9 @@ def load_model(
                  str(torch_dtype).removeprefix("torch."), "native bf16" if cpu_has_native_bf16() else
                  "no native bf16", torch.get_num_threads(), packed,
                  "".join(f", {k}={v}" for k, v in caps.items()))
+        if torch_dtype == torch.bfloat16 and not cpu_has_native_bf16():
+            log.warning("%s: bfloat16 on a CPU without native bf16 is emulated, ~4x slower than float32 here "
+                        "(a 1K Qwen 0.5B prefill: 53 s against 13 s); dtype='auto' picks float32 on this CPU", name)
     return loaded
 
 

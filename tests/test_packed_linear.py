@@ -136,16 +136,24 @@ def test_memory_stops_growing_with_new_prompt_lengths_once_onednn_caches_are_bou
     assert grown["bounded"] < grown["default"] - 200, grown  # measured: -85 to +112 MB
 
 
-def test_a_cpu_without_onednn_bf16_kernels_loads_a_bf16_model_on_plain_linears(tmp_path, monkeypatch):
+def test_a_cpu_without_onednn_bf16_kernels_loads_a_bf16_model_on_plain_linears(tmp_path, monkeypatch, caplog):
     """An AVX2-only CPU (no AVX-512 BW/VL/DQ): oneDNN's reorder would raise there, so nothing is packed and
-    a bf16 model loads and runs on plain linears, with the fingerprint it has elsewhere."""
+    a bf16 model loads and runs on plain linears, with the fingerprint it has elsewhere; the log warns that
+    bf16 is emulated there."""
     lm = tiny_model("qwen2")
     lm.model.save_pretrained(tmp_path)
     lm.tokenizer.save_pretrained(tmp_path)
     fingerprint = load_model(tmp_path, dtype="bfloat16", prepack=False).fingerprint
     monkeypatch.setattr("cacheclip_rag.packed_linear.packing_available", lambda: False)
+    monkeypatch.setattr("cacheclip_rag.models.cpu_has_native_bf16", lambda: False)
     assert pack_linears(bf16_tiny("llama").model) == 0
-    plain = load_model(tmp_path, dtype="bfloat16")
+    with caplog.at_level("WARNING", logger="cacheclip_rag.models"):
+        plain = load_model(tmp_path, dtype="bfloat16")
+    assert "bfloat16 on a CPU without native bf16 is emulated" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cacheclip_rag.models"):
+        load_model(tmp_path, dtype="float32")
+    assert "emulated" not in caplog.text
     assert plain.fingerprint == fingerprint and plain.dtype == torch.bfloat16
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     with torch.inference_mode():
