@@ -329,11 +329,12 @@ def load_model(
         fit_threads_to_cores()
         caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
         packed = pack_linears(model) if prepack else 0
+        native_bf16 = cpu_has_native_bf16()
         log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked%s", name,
-                 str(torch_dtype).removeprefix("torch."), "native bf16" if cpu_has_native_bf16() else
+                 str(torch_dtype).removeprefix("torch."), "native bf16" if native_bf16 else
                  "no native bf16", torch.get_num_threads(), packed,
                  "".join(f", {k}={v}" for k, v in caps.items()))
-        if torch_dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        if torch_dtype == torch.bfloat16 and not native_bf16:
             log.warning("%s: bfloat16 on a CPU without native bf16 is emulated, ~4x slower than float32 here "
                         "(a 1K Qwen 0.5B prefill: 53 s against 13 s); dtype='auto' picks float32 on this CPU", name)
     return loaded
