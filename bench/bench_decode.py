@@ -1,8 +1,10 @@
 """Decode speed at long contexts: the engine's decode steps over its blended cache against transformers'
 own `generate` (a copy of the model loaded apart, on transformers' sdpa attention, dense linears) on the
 same prompt, and against the engine with its linears left dense (`load_model(prepack=False)`: what the
-prepacked oneDNN weights of `packed_linear` gain), in the same run (rotating, repeated). All in the dtype
-"auto" picks. Prints one table; `--json` writes the rows.
+prepacked oneDNN weights of `packed_linear` gain), and against the engine with each step run through
+transformers' forward (`recompute.forward_at`) instead of `decode_step`'s lean loop (what the lean step
+gains), in the same run (rotating, repeated). All in the dtype "auto" picks. Prints one table; `--json`
+writes the rows.
 
 The engine's rate is its own decode timing (tokens after the first over the time after TTFT). For
 `generate`, prefill is taken out by difference: the time of `max_new_tokens = n + 1` minus that of
@@ -43,11 +45,13 @@ def chunks_of(engine: Engine, tokens: int) -> list[str]:
     return out
 
 
-def engine_rate(engine: Engine, chunks: list[str], tokens: int) -> float:
+def engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool = True) -> float:
+    """`lean=False`: every step through `forward_at`, as before `decode_step` existed."""
     options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1, prompt_stops=False)
     plan = engine.plan("What does the handbook say?", chunks, options)
     prefill = engine.prefill(plan, options)
     stream = engine.decode(plan, prefill, options)
+    stream.decoder.lean = stream.decoder.lean and lean
     for _ in stream:
         pass
     return stream.answer.timings.decode_tokens_per_s
@@ -87,31 +91,36 @@ def main() -> int:
         engine.ingest(chunks, progress=False)
         runs = {"engine": lambda: engine_rate(engine, chunks, args.tokens),
                 "engine_dense": lambda: engine_rate(dense, chunks, args.tokens),
+                "engine_forward_at": lambda: engine_rate(engine, chunks, args.tokens, lean=False),
                 "generate": lambda: generate_rate(engine, stock, chunks, args.tokens)}
         for warm in (engine, dense):
             engine_rate(warm, chunks, 2)
         rates: dict[str, list[float]] = {name: [] for name in runs}
         for r in range(args.repeats):  # rotating, so load on the machine hits each
-            for name in list(runs)[r % 3:] + list(runs)[:r % 3]:
+            for name in list(runs)[r % len(runs):] + list(runs)[:r % len(runs)]:
                 rates[name].append(runs[name]())
         prompt = engine.plan("What does the handbook say?", chunks, RequestOptions()).length
         ratios = [a / b for a, b in zip(rates["engine"], rates["generate"])]
         gains = [a / b for a, b in zip(rates["engine"], rates["engine_dense"])]
+        lean_gains = [a / b for a, b in zip(rates["engine"], rates["engine_forward_at"])]
         rows.append({"model": args.model, "context": prompt, "engine_tok_s": statistics.median(rates["engine"]),
                      "engine_dense_tok_s": statistics.median(rates["engine_dense"]),
+                     "engine_forward_at_tok_s": statistics.median(rates["engine_forward_at"]),
+                     "lean_gain": statistics.median(lean_gains), "lean_gains": lean_gains,
                      "generate_tok_s": statistics.median(rates["generate"]), "ratio": statistics.median(ratios),
                      "packed_gain": statistics.median(gains), "dtype": str(lm.dtype).removeprefix("torch."),
                      "ratios": ratios, "packed_gains": gains, "tokens": args.tokens, "repeats": args.repeats,
                      "date": datetime.date.today().isoformat()})
     print(f"\n{args.model}, {str(lm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"{args.tokens} decoded tokens, median of {args.repeats}")
-    print("| context tokens | engine tok/s | engine, dense linears | transformers generate tok/s "
-          "| engine / generate (per repeat) | packed gain |")
-    print("|---|---|---|---|---|---|")
+    print("| context tokens | engine tok/s | engine, dense linears | engine, steps by forward_at "
+          "| transformers generate tok/s | engine / generate (per repeat) | packed gain | lean-step gain (per repeat) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['engine_tok_s']:.2f} | {r['engine_dense_tok_s']:.2f} | "
-              f"{r['generate_tok_s']:.2f} | {r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | "
-              f"{r['packed_gain']:.2f} |")
+              f"{r['engine_forward_at_tok_s']:.2f} | {r['generate_tok_s']:.2f} | "
+              f"{r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | {r['packed_gain']:.2f} | "
+              f"{r['lean_gain']:.2f} ({', '.join(f'{x:.2f}' for x in r['lean_gains'])}) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     return 0

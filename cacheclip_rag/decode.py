@@ -9,6 +9,7 @@ import torch
 from .attention import ChunkScaling
 from .batching import RowsRequest
 from .cache import BlendedCache
+from .decode_step import decode_step, supports
 from .models import LoadedModel
 from .recompute import forward_at
 
@@ -45,6 +46,8 @@ class TokenDecoder(Iterator[int]):
         self._steps = 0  # tokens sampled so far
         self._last = -1  # the last token sampled
         self.finished = max_new_tokens <= 0
+        # a plain step (no APE shift or scaling) of a model `decode_step` covers skips transformers' forward
+        self.lean = rope_shift == 0 and chunk_scaling is None and supports(lm.model, cache)
 
     @property
     def batchable(self) -> bool:
@@ -76,7 +79,9 @@ class TokenDecoder(Iterator[int]):
     def __next__(self) -> int:
         if self.finished:
             raise StopIteration
-        if self._logits is None:
+        if self._logits is None and self.lean:
+            self._logits = decode_step(self.lm.model, self.cache, self._last, self.position + self._steps - 1)
+        elif self._logits is None:
             step = self.pending()
             self._logits = forward_at(self.lm.model, self.cache, step.input_ids[None], step.positions[None],
                                       slots=step.slots, chunk_scaling=self.chunk_scaling)[0, -1]

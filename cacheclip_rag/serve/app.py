@@ -32,7 +32,7 @@ from .metrics import Metrics
 from .requests import APIError, chat_request, check_fields, completion_request, parse_json
 from .keys import OPERATOR, Tenant
 from .tenants import Tenants
-from .worker import DONE, Job, QueueFull, Worker
+from .worker import DONE, Job, QueueFull, Worker, off_worker
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         # the last chunk of the message (no separator after it), so the first such request reuses them
         try:
             head = FormattedPrefix(system_head(engine, system)) if system is not None else None
-            keys = await asyncio.to_thread(scope.engine.ingest, documents, progress=False, system_prompt=head,
+            keys = await off_worker(scope.engine.ingest, documents, progress=False, system_prompt=head,
                                            bare=head is not None)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
@@ -352,7 +352,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         server.check_prompt_size([m["content"] for m in parsed.messages] + list(parsed.generation.documents or ()))
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
         scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
-        planned = await asyncio.to_thread(lambda: server.limit_tokens(plan_chat(  # tokenizing: off the event loop
+        planned = await off_worker(lambda: server.limit_tokens(plan_chat(  # tokenizing: off the event loop
             scope, with_default_tokens(parsed), defaults)))
         return await respond(request, scope.engine, planned, "chat")
 
@@ -363,7 +363,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         server.check_prompt_size([parsed.prompt, *(parsed.generation.documents or ())])
         request.state.stream, request.state.include_usage = parsed.generation.stream, parsed.generation.include_usage
         scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
-        planned = await asyncio.to_thread(lambda: server.limit_tokens(plan_completion(
+        planned = await off_worker(lambda: server.limit_tokens(plan_completion(
             scope, with_default_tokens(parsed), defaults)))
         return await respond(request, scope.engine, planned, "completion")
 

@@ -1,0 +1,89 @@
+"""A thread's OpenMP pool is given back: by `release_thread_pool`, after `off_worker`'s work, and by the
+thread that builds the server's worker (so decode steps keep libgomp's spin-waits: `openmp_pools`)."""
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from cacheclip_rag.openmp_pools import _libgomp, release_thread_pool
+from cacheclip_rag.serve.worker import Worker, off_worker
+
+pytestmark = pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
+                                reason="needs GNU libgomp (torch's Linux wheels) and /proc")
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def settled(expected: int) -> int:
+    """The thread count once exiting helpers are gone (they leave just after the pool is freed)."""
+    for _ in range(200):
+        if threads() == expected:
+            break
+        time.sleep(0.01)
+    return threads()
+
+
+def parallel_work() -> None:
+    torch.ones(1 << 22).add_(1)  # large enough for a parallel region: the calling thread gets a pool
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # one helper a pool, even on a one-CPU runner
+    yield
+    torch.set_num_threads(previous)
+
+
+def in_new_thread(fn):
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(fn()))
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_release_frees_the_calling_threads_helpers():
+    def work():
+        before = threads()
+        parallel_work()
+        with_pool = threads()
+        released = release_thread_pool()
+        after = settled(before)
+        parallel_work()  # the thread's next region builds a pool again
+        return {"helpers": with_pool - before, "released": released, "left": after - before,
+                "again": threads() - before}
+
+    out = in_new_thread(work)
+    assert out == {"helpers": 1, "released": True, "left": 0, "again": 1}
+
+
+def test_work_off_the_worker_leaves_no_pool_behind():
+    async def run() -> tuple[int, int]:
+        def work() -> int:
+            parallel_work()
+            return threads()  # with this executor thread's pool
+
+        inside = await off_worker(work)
+        return inside, settled(inside - 1)
+
+    inside, after = asyncio.run(run())
+    assert after == inside - 1
+
+
+def test_the_thread_that_builds_the_worker_gives_its_pool_back():
+    def work():
+        parallel_work()
+        with_pool = threads()
+        worker = Worker()  # starts its own thread (+1) and frees this one's helper (-1)
+        after = settled(with_pool)
+        worker.close()
+        return {"change": after - with_pool}
+
+    assert in_new_thread(work) == {"change": 0}
