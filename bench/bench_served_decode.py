@@ -1,4 +1,4 @@
-"""Decode served against decode in the engine: what a token costs through `cacheclip serve` (the server's
+"""Decode served against decode in the engine: what a token (and the first token) costs through `cacheclip serve` (the server's
 worker thread, and the client's view through the real `openai` client) against the engine's own decode
 on the main thread, same model, same prompt (~2K tokens from the bundled handbook), in one run with
 rounds alternating. With `--baseline-tree PATH` (a checkout of an older commit) that tree's server runs in
@@ -53,6 +53,7 @@ def served(tree: str | None, store: str, pool: list[str], requests: int, tokens:
         client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600)
         for i in range(requests + 1):  # the first warms up
             first = last = usage = None
+            started = time.perf_counter()
             for event in client.chat.completions.create(model="cacheclip", messages=messages, max_tokens=tokens,
                                                         temperature=0, stream=True,
                                                         stream_options={"include_usage": True}):
@@ -64,11 +65,11 @@ def served(tree: str | None, store: str, pool: list[str], requests: int, tokens:
             if i and usage.completion_tokens > 1:
                 out.append({"worker_ms": 1e3 / worker,
                             "client_ms": 1e3 * (last - first) / (usage.completion_tokens - 1),
-                            "tokens": usage.completion_tokens})
+                            "ttft_ms": 1e3 * (first - started), "tokens": usage.completion_tokens})
     return out
 
 
-def engine_alone(store: str, pool: list[str], requests: int, tokens: int) -> list[float]:
+def engine_alone(store: str, pool: list[str], requests: int, tokens: int) -> list[dict]:
     from cacheclip_rag.config import EngineConfig, RequestOptions
     from cacheclip_rag.engine import Engine
     from cacheclip_rag.models import load_model
@@ -82,7 +83,7 @@ def engine_alone(store: str, pool: list[str], requests: int, tokens: int) -> lis
     for i in range(requests + 1):
         answer = engine.generate(QUESTION, pool, options)
         if i:
-            out.append(1e3 / answer.timings.decode_tokens_per_s)
+            out.append({"engine_ms": 1e3 / answer.timings.decode_tokens_per_s, "ttft_ms": 1e3 * answer.timings.ttft_s})
     return out
 
 
@@ -101,16 +102,16 @@ def main() -> int:
     for _ in range(args.rounds):
         for name, tree in kinds.items():
             rows[name] += served(tree, store, pool, args.requests, args.tokens, args.port)
-        rows["engine"] += [{"engine_ms": ms} for ms in
-                           json.loads(subprocess.check_output([sys.executable, __file__, "--engine-run", store,
-                                                               str(args.requests), str(args.tokens)]))]
+        rows["engine"] += json.loads(subprocess.check_output([sys.executable, __file__, "--engine-run", store,
+                                                              str(args.requests), str(args.tokens)]))
     table = {name: {key: statistics.median(r[key] for r in got) for key in got[0] if key.endswith("_ms")} | {"n": len(got)}
              for name, got in rows.items()}
     print(f"\ndecode ms a token, median (n requests); {args.tokens} tokens, ~2K context, 1 client")
-    print("| run | worker | client | n |")
-    print("|---|---|---|---|")
+    print("| run | decode: worker (engine: its own) | decode: client | TTFT | n |")
+    print("|---|---|---|---|---|")
     for name, t in table.items():
-        print(f"| {name} | {t.get('worker_ms', t.get('engine_ms')):.1f} | {t.get('client_ms', float('nan')):.1f} | {t['n']} |")
+        print(f"| {name} | {t.get('worker_ms', t.get('engine_ms')):.1f} | {t.get('client_ms', float('nan')):.1f} | "
+              f"{t['ttft_ms']:.0f} | {t['n']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"table": table, "rows": rows, "tokens": args.tokens,
                                                "baseline_tree": args.baseline_tree,

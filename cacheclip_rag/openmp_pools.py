@@ -9,8 +9,10 @@ steps): a decode step took ~130 ms on the thread that had loaded the model and 1
 thread, as a server's worker is; with the first thread's pool released, 136-141 ms.
 
 `release_thread_pool` frees the calling thread's pool (OpenMP 5's `omp_pause_resource_all`, which
-libgomp implements for the calling thread); its next parallel region builds a new one, at the cost of
-starting its helper threads again. Elsewhere (another OpenMP runtime, no OpenMP) it does nothing.
+libgomp implements for the calling thread) in every libgomp the process has loaded: wheels bundle their
+own copies (torch's, and faiss's and scikit-learn's, each with its own pools), and the one torch uses is
+not told apart by name. The thread's next parallel region builds a new pool, at the cost of starting its
+helper threads again. Elsewhere (another OpenMP runtime, no OpenMP) it does nothing.
 """
 
 from __future__ import annotations
@@ -22,24 +24,27 @@ from pathlib import Path
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the pool's threads and memory
 
 
-@functools.cache
-def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process has loaded (torch's own copy), or None."""
+def _libgomps() -> list[ctypes.CDLL]:
+    """Every libgomp this process has loaded (read anew: a later import may bring another copy)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux
-        return None
+        return []
     paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.split()[-1].startswith("/")}
-    for path in sorted(paths):
-        library = ctypes.CDLL(path)  # already loaded: the same instance
-        if hasattr(library, "omp_pause_resource_all"):
-            library.omp_pause_resource_all.argtypes = [ctypes.c_int]
-            return library
-    return None
+    return [library for library in map(_open, sorted(paths)) if library is not None]
+
+
+@functools.cache
+def _open(path: str) -> ctypes.CDLL | None:
+    library = ctypes.CDLL(path)  # already loaded: the same instance
+    if not hasattr(library, "omp_pause_resource_all"):
+        return None
+    library.omp_pause_resource_all.argtypes = [ctypes.c_int]
+    return library
 
 
 def release_thread_pool() -> bool:
-    """Free the OpenMP helper threads of the calling thread; whether there was a libgomp to ask. Call it
-    outside torch ops, on a thread that will not run the model's steps."""
-    library = _libgomp()
-    return library is not None and library.omp_pause_resource_all(OMP_PAUSE_HARD) == 0
+    """Free the calling thread's OpenMP helper threads, in every libgomp loaded; whether there was one to
+    ask. Call it outside torch ops, on a thread that will not run the model's steps."""
+    libraries = _libgomps()
+    return bool(libraries) and all([library.omp_pause_resource_all(OMP_PAUSE_HARD) == 0 for library in libraries])

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from cacheclip_rag.openmp_pools import _libgomp, release_thread_pool
+from cacheclip_rag.openmp_pools import _libgomps, release_thread_pool
 from cacheclip_rag.serve.worker import Worker, off_worker
 
-pytestmark = pytest.mark.skipif(_libgomp() is None or not os.path.isdir("/proc/self/task"),
+pytestmark = pytest.mark.skipif(not _libgomps() or not os.path.isdir("/proc/self/task"),
                                 reason="needs GNU libgomp (torch's Linux wheels) and /proc")
 
 
@@ -62,6 +62,19 @@ def test_release_frees_the_calling_threads_helpers():
 
     out = in_new_thread(work)
     assert out == {"helpers": 1, "released": True, "left": 0, "again": 1}
+
+
+def test_every_loaded_libgomp_is_asked():
+    """faiss and scikit-learn bundle libgomps of their own; torch's is among them (a release that asked
+    only the first one found freed nothing of torch's once faiss had been imported)."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("sklearn")
+    libraries = _libgomps()
+    torch_lib = os.path.dirname(torch.__file__)
+    maps = open("/proc/self/maps").read()
+    assert len(libraries) == len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line})
+    assert any(torch_lib in line and "libgomp" in line for line in maps.splitlines()) or "torch.libs" in maps
+    test_release_frees_the_calling_threads_helpers()
 
 
 def test_work_off_the_worker_leaves_no_pool_behind():
