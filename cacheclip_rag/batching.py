@@ -11,7 +11,9 @@ that cache alone, under its own causal-by-position mask. No cache is copied or p
 does not grow with the caches' size.
 
 The result equals `recompute.forward_at` run request by request, up to the float rounding of a
-batched matmul (tests/test_batching.py pins it).
+batched matmul (tests/test_batching.py pins it). A batch of plain decode steps (one row each, at its own
+position, of a model `decode_step` covers) runs `decode_step.decode_steps` instead: the same packing and
+arithmetic without transformers' forward around it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import ForwardContext, RaggedBatch, forward_context, position_masks, use_cacheclip_attention
 from .cache import BlendedCache
+from .decode_step import decode_steps, supports
 from .models import layer_types, text_config
 from .recompute import cache_argument
 
@@ -106,7 +109,11 @@ def _check(model: PreTrainedModel, requests: list[RowsRequest]) -> None:
             raise ValueError(f"request {i}'s cache has stale layers set (a diagnostic that runs alone)")
 
 
-@torch.inference_mode()
+def _plain_step(model: PreTrainedModel, request: RowsRequest) -> bool:
+    return (request.input_ids.numel() == 1 and bool((request.rows == request.positions).all())
+            and supports(model, request.cache))
+
+
 def forward_rows(model: PreTrainedModel, requests: list[RowsRequest]) -> list[torch.Tensor]:
     """Run every request's rows in one forward; each request's next-token logits [V] after its last row.
 
@@ -114,6 +121,14 @@ def forward_rows(model: PreTrainedModel, requests: list[RowsRequest]) -> list[to
     slots=r.slots)` would write it; no rows outside `r.slots` are touched.
     """
     _check(model, requests)
+    if all(_plain_step(model, r) for r in requests):
+        return list(decode_steps(model, [r.cache for r in requests], [int(r.input_ids[0]) for r in requests],
+                                 [int(r.rows[0]) for r in requests]))
+    return _forward_packed(model, requests)
+
+
+@torch.inference_mode()
+def _forward_packed(model: PreTrainedModel, requests: list[RowsRequest]) -> list[torch.Tensor]:
     use_cacheclip_attention(model)  # the per-request attention is the registered function's
     device = requests[0].cache.layers[0].keys.device
     dtype = requests[0].cache.layers[0].keys.dtype

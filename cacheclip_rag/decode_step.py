@@ -8,8 +8,10 @@ the same ops in the same order — embeddings, the rotary module once, then per 
 projection modules, RoPE, the cache write, `attention.dense_attention`, the MLP module — so its logits
 and the cache rows it writes are bit-identical to `recompute.forward_at`'s (tests/test_decode_step.py).
 
-It covers what a plain decode step is: a Llama or Qwen2 decoder whose layers all attend fully, one
-token on the cache's next row at its own position, a batch of one, no diagnostic stale layers. Anything
+`decode_steps` runs several requests' steps together (each over its own cache), as the server batches
+them, equal to `batching.forward_rows`'s packed forward. It covers what a plain decode step is: a Llama or
+Qwen2 decoder whose layers all attend fully, one token on the cache's next row at its own position, a
+cache of batch one, no diagnostic stale layers. Anything
 else (Gemma 3's windows and norms, APE's shifted positions and chunk scaling) goes through `forward_at`;
 `supports` says which.
 """
@@ -41,30 +43,42 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def decode_step(model: PreTrainedModel, cache: BlendedCache, token: int, row: int) -> torch.Tensor:
-    """Logits [V] after `token`, run at position `row` and written to cache row `row`; every row before it
-    is visible (the cache's visible length becomes `row + 1`). Check `supports(model, cache)` first."""
-    cache.write_at(torch.tensor([row]))
-    base = model.model
-    device = cache.layers[0].keys.device
-    hidden = base.embed_tokens(torch.tensor([[token]], device=device))
-    cos, sin = base.rotary_emb(hidden, torch.tensor([[row]], device=device))
+def decode_steps(model: PreTrainedModel, caches: list[BlendedCache], tokens: list[int], rows: list[int]) -> torch.Tensor:
+    """Logits [B, V] after request b's `tokens[b]`, run at position `rows[b]` and written to row `rows[b]` of
+    its own `caches[b]`, where it sees every row before it (the cache's visible length becomes
+    `rows[b] + 1`). The B rows go through each linear as one matrix, as `batching.forward_rows` packs
+    them; each attends over its own cache. Check `supports(model, cache)` for each cache first."""
+    base, batch = model.model, len(caches)
+    device = caches[0].layers[0].keys.device
+    for cache, row in zip(caches, rows):
+        cache.write_at(torch.tensor([row]))
+    hidden = base.embed_tokens(torch.tensor([tokens], device=device))  # [1, B, H]
+    cos, sin = base.rotary_emb(hidden, torch.tensor([rows], device=device))
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    visible = row + 1
     for index, layer in enumerate(base.layers):
-        if cache.wait_for_layer is not None:  # its rows may still be arriving (layer-wise loading)
-            cache.wait_for_layer(index)
-        attn, rows = layer.self_attn, cache.layers[index]
+        for cache in caches:
+            if cache.wait_for_layer is not None:  # its rows may still be arriving (layer-wise loading)
+                cache.wait_for_layer(index)
+        attn = layer.self_attn
         x = layer.input_layernorm(hidden)
-        query = attn.q_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-        key = attn.k_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
-        value = attn.v_proj(x).view(1, 1, -1, attn.head_dim).transpose(1, 2)
+        query = attn.q_proj(x).view(1, batch, -1, attn.head_dim).transpose(1, 2)  # [1, heads, B, D]
+        key = attn.k_proj(x).view(1, batch, -1, attn.head_dim).transpose(1, 2)
+        value = attn.v_proj(x).view(1, batch, -1, attn.head_dim).transpose(1, 2)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        rows.keys[:, :, row] = key[:, :, 0]  # the copy casts to the cache's dtype, as `PositionedLayer.update`
-        rows.values[:, :, row] = value[:, :, 0]
-        out = dense_attention(attn, query, rows.keys[:, :, :visible], rows.values[:, :, :visible], None,
-                              scaling=attn.scaling, softcap=None)
-        hidden = hidden + attn.o_proj(out.reshape(1, 1, -1))
+        outs = []
+        for b, (cache, row) in enumerate(zip(caches, rows)):
+            own = cache.layers[index]
+            own.keys[:, :, row] = key[:, :, b]  # the copy casts to the cache's dtype, as `PositionedLayer.update`
+            own.values[:, :, row] = value[:, :, b]
+            outs.append(dense_attention(attn, query[:, :, b:b + 1], own.keys[:, :, :row + 1],
+                                        own.values[:, :, :row + 1], None, scaling=attn.scaling, softcap=None))
+        out = outs[0] if batch == 1 else torch.cat(outs, dim=1)  # [1, B, heads, D]
+        hidden = hidden + attn.o_proj(out.reshape(1, batch, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.lm_head(base.norm(hidden))[0, -1]
+    return model.lm_head(base.norm(hidden))[0]
+
+
+def decode_step(model: PreTrainedModel, cache: BlendedCache, token: int, row: int) -> torch.Tensor:
+    """`decode_steps` for one request: logits [V]."""
+    return decode_steps(model, [cache], [token], [row])[0]

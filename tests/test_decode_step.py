@@ -1,10 +1,13 @@
-"""`decode_step` is `forward_at` for a plain decode step, bit for bit, and is used only where it is."""
+"""`decode_step` is `forward_at` for a plain decode step, and `decode_steps` is `forward_rows`' packed forward for a
+batch of them, bit for bit; they are used only where they are."""
 
 import pytest
 import torch
 
+from cacheclip_rag import batching
 from cacheclip_rag import decode_step as lean
 from cacheclip_rag.attention import ChunkScaling
+from cacheclip_rag.batching import RowsRequest
 from cacheclip_rag.cache import BlendedCache
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.decode import TokenDecoder
@@ -66,3 +69,30 @@ def test_answers_equal_with_the_lean_step_off(make_engine, monkeypatch, method):
     monkeypatch.setattr("cacheclip_rag.decode.supports", lambda model, cache: False)
     stream = engine.stream(QUESTION, CHUNKS, options)
     assert list(stream) == lean_answer and not stream.decoder.lean
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_steps_equal_the_packed_forward_bit_for_bit(arch):
+    lm = tiny_model(arch)
+    model, config = lm.model, lm.model.config
+    references, caches, tokens, rows = [], [], [5, 9, 13], []
+    for b, length in enumerate((12, 31, 40)):  # ragged: each request's cache of its own length
+        cache = BlendedCache.empty(config.num_hidden_layers, 1, config.num_key_value_heads, 48,
+                                   config.hidden_size // config.num_attention_heads, dtype=torch.float32, device="cpu")
+        forward_at(model, cache, (torch.arange(length) * (b + 2) % 97 + 3)[None], torch.arange(length)[None])
+        references.append(cache)
+        caches.append(cache.copy())
+        rows.append(length)
+    for _ in range(3):
+        requests = [RowsRequest(c, torch.tensor([t]), torch.tensor([r])) for c, t, r in zip(references, tokens, rows)]
+        expected = batching._forward_packed(model, requests)
+        assert all(batching._plain_step(model, r) for r in requests)
+        got = lean.decode_steps(model, caches, tokens, rows)
+        for b in range(3):
+            assert torch.equal(got[b], expected[b])
+            assert torch.equal(caches[b].key_buffer, references[b].key_buffer)
+            assert torch.equal(caches[b].value_buffer, references[b].value_buffer)
+        tokens, rows = [int(x.argmax()) for x in expected], [r + 1 for r in rows]
+    # a request of two rows is not a plain step: the whole batch takes the packed forward
+    two_rows = RowsRequest(references[0], torch.tensor([3, 4]), torch.tensor([rows[0], rows[0] + 1]))
+    assert not batching._plain_step(model, two_rows)
