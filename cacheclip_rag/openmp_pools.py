@@ -17,9 +17,14 @@ helper threads again. Elsewhere (another OpenMP runtime, no OpenMP) it does noth
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the pool's threads and memory
 
@@ -48,3 +53,16 @@ def release_thread_pool() -> bool:
     ask. Call it outside torch ops, on a thread that will not run the model's steps."""
     libraries = _libgomps()
     return bool(libraries) and all([library.omp_pause_resource_all(OMP_PAUSE_HARD) == 0 for library in libraries])
+
+
+def releasing(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, then the calling thread's OpenMP pool released (also when it raised)."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        release_thread_pool()
+
+
+async def to_thread_releasing(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)` in a thread of asyncio's executor, whose OpenMP pool is then given back."""
+    return await asyncio.to_thread(releasing, fn, *args, **kwargs)

@@ -37,6 +37,7 @@ except ImportError as err:  # pragma: no cover
 
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.engine import Answer, Engine, Stream
+from cacheclip_rag.openmp_pools import to_thread_releasing
 
 from .common import aiter_in_thread
 from .embeddings import minilm_path, warn_beyond_window
@@ -140,7 +141,7 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
         return self._call_with_config(run, input, config)
 
     async def ainvoke(self, input: dict, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(self.invoke, input, config, **kwargs)
+        return await to_thread_releasing(self.invoke, input, config, **kwargs)
 
     def transform(self, input: Iterator[dict], config: RunnableConfig | None = None, **kwargs: Any) -> Iterator[Any]:
         yield from self._transform_stream_with_config(input, functools.partial(self._transform, options=kwargs), config)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
 from cacheclip_rag.engine import Engine
+from cacheclip_rag.openmp_pools import to_thread_releasing
 
 from .common import KV_KEY
 
@@ -85,7 +85,7 @@ class CacheClipVectorStore(BasePydanticVectorStore):
         return self._inner.add(nodes, **kwargs)
 
     async def async_add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> list[str]:
-        await asyncio.to_thread(attach_kv, self._engine, nodes)
+        await to_thread_releasing(attach_kv, self._engine, nodes)
         return await self._inner.async_add(nodes, **kwargs)
 
     def delete(self, ref_doc_id: str, **kwargs: Any) -> None:

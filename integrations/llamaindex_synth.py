@@ -3,7 +3,6 @@ and the bespoke query engine with per-call method and ratio."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,7 @@ except ImportError as err:  # pragma: no cover
 
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.engine import Engine, Stream
+from cacheclip_rag.openmp_pools import to_thread_releasing
 
 from .common import aiter_in_thread, answer_metadata
 from .llamaindex_llm import CacheClipLLM
@@ -146,7 +146,7 @@ class CacheClipSynthesizer(BaseSynthesizer):
         return self._remember(pieces(), metadata)
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any):
-        answer = await asyncio.to_thread(self.get_response, query_str, text_chunks, **response_kwargs)
+        answer = await to_thread_releasing(self.get_response, query_str, text_chunks, **response_kwargs)
         if not self._streaming:
             return answer
         return self._remember(aiter_in_thread(answer), self._take(answer))
@@ -243,8 +243,8 @@ class CacheClipQueryEngine(BaseQueryEngine):
         if isinstance(query_bundle, str):
             query_bundle = QueryBundle(query_bundle)
         if not self.streaming:
-            return await asyncio.to_thread(self.synthesize, query_bundle, nodes)
-        stream = await asyncio.to_thread(self._stream, query_bundle, nodes)
+            return await to_thread_releasing(self.synthesize, query_bundle, nodes)
+        stream = await to_thread_releasing(self._stream, query_bundle, nodes)
         metadata: dict = {"method": self.options.method, "ratio": self.options.ratio}
         return AsyncStreamingResponse(response_gen=aiter_in_thread(self._pieces(stream, metadata)),
                                       source_nodes=list(nodes), metadata=metadata)

@@ -100,3 +100,18 @@ def test_the_thread_that_builds_the_worker_gives_its_pool_back():
         return {"change": after - with_pool}
 
     assert in_new_thread(work) == {"change": 0}
+
+
+def test_async_iteration_in_the_frameworks_leaves_no_pool_behind():
+    """LangChain's and LlamaIndex's async streams step our decoder in asyncio's executor threads."""
+    from integrations.common import aiter_in_thread
+
+    def steps():
+        for _ in range(3):
+            parallel_work()
+            yield threads()  # with the stepping thread's pool
+
+    async def run() -> list[tuple[int, int]]:
+        return [(inside, settled(inside - 1)) async for inside in aiter_in_thread(steps())]
+
+    assert all(after == inside - 1 for inside, after in asyncio.run(run()))

@@ -35,23 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..batching import forward_rows
-from ..openmp_pools import release_thread_pool
+from ..openmp_pools import release_thread_pool, to_thread_releasing
 from ..request import Answer, Stream
 
 DONE = object()  # the end of a job's pieces
 _NOTHING = object()  # no job waiting
 
 
-def _releasing(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        release_thread_pool()
-
-
-async def off_worker(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in a thread of asyncio's executor, whose OpenMP pool is then given back."""
-    return await asyncio.to_thread(_releasing, fn, *args, **kwargs)
+off_worker = to_thread_releasing  # model work off the worker thread (ingest, planning): its pool given back
 
 
 class QueueFull(Exception):
