@@ -290,7 +290,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         try:
             head = FormattedPrefix(system_head(engine, system)) if system is not None else None
             keys = await off_worker(scope.engine.ingest, documents, progress=False, system_prompt=head,
-                                           bare=head is not None)
+                                    bare=head is not None)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
         added = server.tenants.index.add(tenant.name, documents)

@@ -20,7 +20,7 @@ moves on.
 The worker is the one thread whose OpenMP pool stays: the thread that builds the worker (the one that
 loaded the model) gives its pool back, and so does each thread that runs model work off the worker
 (`off_worker`: ingest, planning). With more OpenMP threads alive than CPUs, libgomp stops spin-waiting
-and each decode step ran 15-30% slower (`openmp_pools`).
+and each served decode step ran 1.17x as long (`openmp_pools`, bench/results/served_decode.json).
 """
 
 from __future__ import annotations
