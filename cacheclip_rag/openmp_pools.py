@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,16 +29,44 @@ T = TypeVar("T")
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the pool's threads and memory
 
 
-_found: tuple[int, list[ctypes.CDLL]] = (-1, [])  # (modules imported when scanned, the libgomps then)
+class _LoadedObject(ctypes.Structure):
+    """The head of glibc's (and musl's) `struct dl_phdr_info`, up to its load and unload counters."""
+
+    _fields_ = [("addr", ctypes.c_size_t), ("name", ctypes.c_char_p), ("phdr", ctypes.c_void_p),
+                ("phnum", ctypes.c_uint16), ("adds", ctypes.c_ulonglong), ("subs", ctypes.c_ulonglong)]
+
+
+_VISIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LoadedObject), ctypes.c_size_t, ctypes.c_void_p)
+
+
+def _loads() -> tuple[int, int] | None:
+    """How many shared objects the process has loaded and unloaded so far (the dynamic linker's own
+    counters, read from the first object `dl_iterate_phdr` visits); None where they cannot be read."""
+    counters: list[tuple[int, int]] = []
+
+    def first(info: Any, size: int, _: Any) -> int:
+        if size >= ctypes.sizeof(_LoadedObject):
+            counters.append((info.contents.adds, info.contents.subs))
+        return 1  # stop after the first
+
+    try:
+        ctypes.CDLL(None).dl_iterate_phdr(_VISIT(first), None)
+    except (AttributeError, OSError):  # no dynamic linker API of that name
+        return None
+    return counters[0] if counters else None
+
+
+_found: tuple[tuple[int, int] | None, list[ctypes.CDLL]] = (None, [])  # (_loads() when scanned, the libgomps)
 
 
 def _libgomps() -> list[ctypes.CDLL]:
     """Every libgomp this process has loaded. The scan of /proc/self/maps (~0.7 ms) runs again only after
-    new imports, which are what bring another copy: the frameworks' async streams release once a step."""
+    the dynamic linker has loaded or unloaded an object (the frameworks' async streams release once a
+    step); where its counters cannot be read, every time."""
     global _found
-    imported = len(sys.modules)
-    if _found[0] != imported:
-        _found = (imported, _scan())
+    loads = _loads()
+    if loads is None or _found[0] != loads:
+        _found = (loads, _scan())
     return _found[1]
 
 

@@ -2,7 +2,9 @@
 thread that builds the server's worker (so decode steps keep libgomp's spin-waits: `openmp_pools`)."""
 
 import asyncio
+import ctypes
 import os
+import shutil
 import threading
 import time
 
@@ -75,6 +77,19 @@ def test_every_loaded_libgomp_is_asked():
     assert len(libraries) == len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line})
     assert any(torch_lib in line and "libgomp" in line for line in maps.splitlines()) or "torch.libs" in maps
     test_release_frees_the_calling_threads_helpers()
+
+
+def test_a_libgomp_loaded_without_an_import_is_found(tmp_path):
+    """A copy loaded by ctypes (as an extension's bundled library can be, after sys.modules was last
+    looked at) is found at the next release: CI once had faiss's copy missed by a cache keyed on imports."""
+    before = _libgomps()
+    torch_gomp = next(library._name for library in before if "torch" in library._name)
+    copy = os.path.realpath(tmp_path / "libgomp-copy.so.1")
+    shutil.copy(torch_gomp, copy)
+    loaded = ctypes.CDLL(copy)
+    assert [library._name for library in _libgomps()] == sorted([library._name for library in before] + [copy])
+    assert release_thread_pool()
+    del loaded
 
 
 def test_work_off_the_worker_leaves_no_pool_behind():
