@@ -59,11 +59,16 @@ class TokenDecoder(Iterator[int]):
         """Whether the next token needs a forward that has not run."""
         return not self.finished and self._logits is None
 
+    @property
+    def _row(self) -> int:
+        """The cache row the next forward writes: the last sampled token's."""
+        return self.position + self._steps - 1
+
     def pending(self) -> RowsRequest | None:
         """The forward the next token needs; None when its logits are at hand or decoding is over."""
         if not self._waiting:
             return None
-        row = self.position + self._steps - 1
+        row = self._row
         return RowsRequest(self.cache, torch.tensor([self._last]), torch.tensor([row - self.rope_shift]),
                            slots=torch.tensor([row]))
 
@@ -80,7 +85,7 @@ class TokenDecoder(Iterator[int]):
         if self.finished:
             raise StopIteration
         if self._logits is None and self.lean:
-            self._logits = decode_step(self.lm.model, self.cache, self._last, self.position + self._steps - 1)
+            self._logits = decode_step(self.lm.model, self.cache, self._last, self._row)
         elif self._logits is None:
             step = self.pending()
             self._logits = forward_at(self.lm.model, self.cache, step.input_ids[None], step.positions[None],
