@@ -60,8 +60,19 @@ def test_common_words_alone_are_no_subject():
     found = answer_spread("What is in the box of the sea?", chunks)
     assert "the" not in found.phrases and "of the" not in found.phrases
     assert answer_spread("Where is it?", chunks).chunks == ()  # "it" and "is": common
-    assert answer_spread("Where is it?", ["It is.", "It is here."]).chunks == (0, 1)  # a short context has no common words
+    assert answer_spread("Where is it?", ["It is.", "It is here."]).chunks == ()  # function words: in any context
+    assert answer_spread("Is the Osterby mill here?", ["The Osterby mill is here.", "It is here."]).chunks == (0,)
     assert answer_spread("", chunks).chunks == () and answer_spread("What?", []).chunks == ()
+
+
+def test_function_words_are_no_subject_however_rare_in_the_chunks():
+    """The anchors' duplicated handbook once flagged "Who directs the observatory?" on a relative "who" in
+    three chunks (two of them about other people), and the request paid the larger budget."""
+    chunks = ["It reopened under Tomas Ekwueme, who added the dish.", "Rain fell on the coastal road all week.",
+              "The mirror is named after Dagny Halvorsen, who designed it.", "The present director is Amara Oduya."]
+    found = answer_spread("Who directs the observatory?", chunks)
+    assert "who" not in found.phrases and not found.spread
+    assert answer_spread("Who designed the mirror?", chunks).chunks == (2,)
 
 
 class _Plan:
