@@ -39,6 +39,18 @@ class _LoadedObject(ctypes.Structure):
 _VISIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_LoadedObject), ctypes.c_size_t, ctypes.c_void_p)
 
 
+def _iterate_loaded() -> Callable[..., int] | None:
+    """libc's `dl_iterate_phdr`; None where there is none (not a glibc/musl process)."""
+    try:
+        return getattr(ctypes.CDLL(None), "dl_iterate_phdr", None)
+    except (OSError, TypeError):  # no C library of the process to open (TypeError: Windows' CDLL(None))
+        return None
+
+
+# looked up once: `_loads` runs at every release (once a decode step in the frameworks' async streams)
+_ITERATE_LOADED = _iterate_loaded()
+
+
 def _loads() -> tuple[int, int] | None:
     """How many shared objects the process has loaded and unloaded so far (the dynamic linker's own
     counters, read from the first object `dl_iterate_phdr` visits); None where they cannot be read."""
@@ -49,10 +61,9 @@ def _loads() -> tuple[int, int] | None:
             counters.append((info.contents.adds, info.contents.subs))
         return 1  # stop after the first
 
-    try:
-        ctypes.CDLL(None).dl_iterate_phdr(_VISIT(first), None)
-    except (AttributeError, OSError):  # no dynamic linker API of that name
+    if _ITERATE_LOADED is None:  # no dynamic linker API of that name
         return None
+    _ITERATE_LOADED(_VISIT(first), None)
     return counters[0] if counters else None
 
 
