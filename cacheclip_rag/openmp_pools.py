@@ -12,7 +12,8 @@ thread, as a server's worker is; with the first thread's pool released, 136-141 
 libgomp implements for the calling thread) in every libgomp the process has loaded: wheels bundle their
 own copies (torch's, and faiss's and scikit-learn's, each with its own pools), and the one torch uses is
 not told apart by name. The thread's next parallel region builds a new pool, at the cost of starting its
-helper threads again. Elsewhere (another OpenMP runtime, no OpenMP) it does nothing.
+helper threads again. A libgomp older than GCC 9 has no `omp_pause_resource_all` (faiss-cpu 1.8.0 bundles
+one) and is skipped. Elsewhere (another OpenMP runtime, no OpenMP) it does nothing.
 """
 
 from __future__ import annotations

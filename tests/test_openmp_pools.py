@@ -74,7 +74,10 @@ def test_every_loaded_libgomp_is_asked():
     libraries = _libgomps()
     torch_lib = os.path.dirname(torch.__file__)
     maps = open("/proc/self/maps").read()
-    assert len(libraries) == len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line})
+    mapped = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line}
+    # a libgomp older than GCC 9 has no omp_pause_resource_all and cannot be asked (faiss-cpu 1.8.0 bundles one)
+    pausable = {path for path in mapped if hasattr(ctypes.CDLL(path), "omp_pause_resource_all")}
+    assert sorted(library._name for library in libraries) == sorted(pausable)
     assert any(torch_lib in line and "libgomp" in line for line in maps.splitlines()) or "torch.libs" in maps
     test_release_frees_the_calling_threads_helpers()
 
