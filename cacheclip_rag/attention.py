@@ -21,6 +21,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .blocked_attention import RowBlock, blocked_attention
 from .models import layer_types, text_config
 
 ATTENTION_NAME = "cacheclip"
@@ -89,6 +90,7 @@ class ForwardContext:
     probes: dict[int, AttentionProbe] = field(default_factory=dict)
     chunk_scaling: ChunkScaling | None = None
     ragged: RaggedBatch | None = None
+    row_blocks: tuple[RowBlock, ...] | None = None  # CPU: attend by blocks of rows (`blocked_attention`)
 
 
 def _scores(query, key, mask, *, scaling, softcap) -> torch.Tensor:
@@ -198,6 +200,10 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
                 scaling=scaling, softcap=softcap, sliding_window=kwargs.get("sliding_window"),
             )
             return out, None
+        blocks = context.row_blocks
+        if blocks is not None and attention_mask is not None and softcap is None and query.shape[2] == blocks[-1].stop:
+            return blocked_attention(query, key, value, attention_mask, blocks, scaling=scaling,
+                                     sliding_window=kwargs.get("sliding_window")), None
     return dense_attention(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
                            dropout=dropout, **kwargs), None
 

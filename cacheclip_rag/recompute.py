@@ -16,8 +16,10 @@ from transformers import PreTrainedModel
 
 from .attention import (AttentionProbe, ChunkScaling, ForwardContext, SelectedRowsKernel, forward_context,
                         position_masks, use_cacheclip_attention)
+from .blocked_attention import row_blocks
 from .kernels.selected_attention import check_positions
 from .cache import BlendedCache
+from .models import text_config
 
 
 @functools.cache
@@ -59,6 +61,7 @@ def forward_at(
     input_ids, positions = input_ids.to(device), positions.to(device)
     cache.write_at(positions[0] if slots is None else slots.to(device))
     query_positions = positions
+    blocks = None
     if chunk_scaling is not None:
         kernel = None
     if kernel is not None and not probes:
@@ -73,8 +76,11 @@ def forward_at(
                               query_slots=rows[None].expand_as(positions), key_positions=chunk_scaling.row_positions)
     elif mask is None:
         mask = position_masks(model, positions, cache.visible_length, cache.layers[0].keys.dtype)
+        if device.type == "cpu" and positions.shape[0] == 1:  # the masks are by these positions: blocks may trim keys
+            config = text_config(model)
+            blocks = row_blocks(positions[0], group=config.num_attention_heads // config.num_key_value_heads)
     context = ForwardContext(query_positions=query_positions, kernel=kernel, probes=probes or {},
-                             chunk_scaling=chunk_scaling)
+                             chunk_scaling=chunk_scaling, row_blocks=blocks)
     with forward_context(context):
         if base_model_only:
             base = model.model

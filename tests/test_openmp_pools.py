@@ -122,7 +122,7 @@ def test_the_thread_that_builds_the_worker_gives_its_pool_back():
 
 def test_async_iteration_in_the_frameworks_leaves_no_pool_behind():
     """LangChain's and LlamaIndex's async streams step our decoder in asyncio's executor threads."""
-    from integrations.common import aiter_in_thread
+    from cacheclip_rag.integrations.common import aiter_in_thread
 
     def steps():
         for _ in range(3):
