@@ -6,7 +6,9 @@ keys at positions <= p (and > p - window on sliding-window layers). transformers
 assume contiguous queries and are bypassed by passing these masks in.
 
 The registered attention function "cacheclip" is sdpa, except when a probe is attached to a layer
-(last-layer attention capture for token selection) or a faster kernel is plugged in for CUDA.
+(last-layer attention capture for token selection), a faster kernel is plugged in for CUDA, or, on the
+CPU, the rows are many and masked by position: then blocks of rows attend over only the keys each block
+can see (`blocked_attention`).
 """
 
 from __future__ import annotations
