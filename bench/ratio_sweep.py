@@ -18,8 +18,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.evaluation.runner import load_records, merge_runs  # noqa: E402
+from cacheclip_rag.evaluation.runner import Record, load_records, merge_runs  # noqa: E402
 from cacheclip_rag.evaluation.stats import paired_bootstrap_ci, ratio_of_means, sign_test  # noqa: E402
+
+
+def sweep(rows: list[Record], variant: str, reference: float) -> list[dict]:
+    """A row a ratio of `variant` over the samples every ratio, `full` and `shared_prefix` finished."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r.variant if r.variant != variant else (variant, round(r.ratio, 6)), {})[(r.task, r.length, r.seed)] = r
+    ratios = sorted(k[1] for k in by if isinstance(k, tuple))
+    if reference not in ratios:
+        raise ValueError(f"no {variant} rows at the reference ratio {reference}; have {ratios}")
+    keys = set(by.get("full", {})) & set(by.get("shared_prefix", {}))
+    for ratio in ratios:
+        keys &= set(by[(variant, ratio)])
+    keys = sorted(keys)
+    if not keys:
+        raise ValueError("no sample has every ratio, full and shared_prefix")
+    full, reuse, base = by["full"], by["shared_prefix"], by[(variant, reference)]
+    out = []
+    for ratio in ratios:
+        at = by[(variant, ratio)]
+        scores, base_scores = [at[k].score for k in keys], [base[k].score for k in keys]
+        up, down, _ = sign_test(scores, base_scores)
+        out.append({
+            "ratio": ratio, "n": len(keys),
+            "retention": ratio_of_means([(at[k].score, full[k].score) for k in keys]),
+            "tf_kl_share": ratio_of_means([(at[k].tf_kl, reuse[k].tf_kl) for k in keys]),
+            "ttft_s": statistics.median(at[k].ttft_s for k in keys),
+            "full_ttft_s": statistics.median(full[k].ttft_s for k in keys),
+            "score_minus_reference": vars(paired_bootstrap_ci(scores, base_scores)),
+            "tf_kl_minus_reference": vars(paired_bootstrap_ci([at[k].tf_kl for k in keys], [base[k].tf_kl for k in keys])),
+            "up": up, "down": down,
+        })
+    return out
+
+
+def interval(e: dict, signed: bool = False) -> str:
+    f = "{:+.3f}" if signed else "{:.2f}"
+    return f"{f.format(e['mean'])} [{f.format(e['low'])}, {f.format(e['high'])}]"
 
 
 def main() -> int:
@@ -30,43 +68,19 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     runs = [(f, [r for records in load_records(Path(f)).values() for r in records]) for f in args.folders]
-    rows = merge_runs(runs)
-    by = {}
-    for r in rows:
-        variant = r.variant if r.variant != args.variant else (args.variant, round(r.ratio, 6))
-        by.setdefault(variant, {})[(r.task, r.length, r.seed)] = r
-    ratios = sorted(k[1] for k in by if isinstance(k, tuple))
-    if args.reference not in ratios:
-        raise SystemExit(f"no {args.variant} rows at the reference ratio {args.reference}; have {ratios}")
-    keys = set(by["full"]) & set(by["shared_prefix"])
-    for ratio in ratios:
-        keys &= set(by[(args.variant, ratio)])
-    keys = sorted(keys)
-    if not keys:
-        raise SystemExit("no sample has every ratio, full and shared_prefix")
-    full, reuse = by["full"], by["shared_prefix"]
-    reference = by[(args.variant, args.reference)]
-    out = []
-    print(f"{args.variant}, n = {len(keys)} samples every ratio finished; paired bootstrap 95% intervals")
-    print(f"| ratio | retention of full's score | KL ÷ reuse's | median TTFT (full {statistics.median(full[k].ttft_s for k in keys):.1f} s) "
+    try:
+        out = sweep(merge_runs(runs), args.variant, args.reference)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    print(f"{args.variant}, n = {out[0]['n']} samples every ratio finished; paired bootstrap 95% intervals")
+    print(f"| ratio | retention of full's score | KL ÷ reuse's | median TTFT (full {out[0]['full_ttft_s']:.1f} s) "
           f"| score − {args.reference}'s (up / down) | KL − {args.reference}'s |")
     print("|---|---|---|---|---|---|")
-    for ratio in ratios:
-        rows_at = by[(args.variant, ratio)]
-        retention = ratio_of_means([(rows_at[k].score, full[k].score) for k in keys])
-        kl_share = ratio_of_means([(rows_at[k].tf_kl, reuse[k].tf_kl) for k in keys])
-        score_diff = paired_bootstrap_ci([rows_at[k].score for k in keys], [reference[k].score for k in keys])
-        kl_diff = paired_bootstrap_ci([rows_at[k].tf_kl for k in keys], [reference[k].tf_kl for k in keys])
-        up, down, _ = sign_test([rows_at[k].score for k in keys], [reference[k].score for k in keys])
-        ttft = statistics.median(rows_at[k].ttft_s for k in keys)
-        out.append({"ratio": ratio, "n": len(keys), "retention": retention, "tf_kl_share": kl_share, "ttft_s": ttft,
-                    "score_minus_reference": vars(score_diff), "tf_kl_minus_reference": vars(kl_diff),
-                    "up": up, "down": down})
-        same = ratio == args.reference
-        print(f"| {ratio} | {retention['mean']:.2f} [{retention['low']:.2f}, {retention['high']:.2f}] | "
-              f"{kl_share['mean']:.2f} [{kl_share['low']:.2f}, {kl_share['high']:.2f}] | {ttft:.1f} s | "
-              + ("–" if same else f"{score_diff.mean:+.3f} [{score_diff.low:+.3f}, {score_diff.high:+.3f}] ({up} / {down})")
-              + " | " + ("–" if same else f"{kl_diff.mean:+.3f} [{kl_diff.low:+.3f}, {kl_diff.high:+.3f}]") + " |")
+    for row in out:
+        same = row["ratio"] == args.reference
+        diffs = "– | –" if same else (f"{interval(row['score_minus_reference'], True)} ({row['up']} / {row['down']}) | "
+                                      f"{interval(row['tf_kl_minus_reference'], True)}")
+        print(f"| {row['ratio']} | {interval(row['retention'])} | {interval(row['tf_kl_share'])} | {row['ttft_s']:.1f} s | {diffs} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"variant": args.variant, "reference": args.reference,
                                                "folders": args.folders, "rows": out}, indent=1))
