@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .blocked_attention import RowBlock, blocked_attention
@@ -95,10 +95,25 @@ class ForwardContext:
     row_blocks: tuple[RowBlock, ...] | None = None  # CPU: attend by blocks of rows (`blocked_attention`)
 
 
+def _by_kv_head(rows: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, T, X] -> [B, KV, G*T, X]: the G query heads that read one KV head (head h reads h // G, as
+    `repeat_kv` pairs them), stacked as rows."""
+    b, h, t, x = rows.shape
+    return rows.reshape(b, kv_heads, (h // kv_heads) * t, x)
+
+
 def _scores(query, key, mask, *, scaling, softcap) -> torch.Tensor:
-    """float32 attention logits [B, H, Tq, Tk], softcapped and masked."""
-    key = repeat_kv(key, query.shape[1] // key.shape[1])
-    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+    """float32 attention logits [B, H, Tq, Tk], softcapped and masked. Each KV head's query heads run as
+    one float32 `mm` against its keys, which are never repeated per query head: the question pass probes
+    every layer, and copying a 4K cache's keys to 14 heads (then to float32) cost more than the products."""
+    b, h, tq, _ = query.shape
+    kv, tk = key.shape[1], key.shape[2]
+    grouped = _by_kv_head(query.float(), kv)
+    scores = torch.empty(b, kv, grouped.shape[2], tk, dtype=torch.float32, device=query.device)
+    for i in range(b):
+        for j in range(kv):
+            torch.mm(grouped[i, j], key[i, j].float().t(), out=scores[i, j])
+    scores = scores.view(b, h, tq, tk).mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
@@ -107,9 +122,16 @@ def _scores(query, key, mask, *, scaling, softcap) -> torch.Tensor:
 
 
 def _attend(probs: torch.Tensor, value: torch.Tensor, heads: int) -> torch.Tensor:
-    """probs [B, H, Tq, Tk] over values [B, KV, Tk, D] -> [B, Tq, H, D]."""
-    value = repeat_kv(value, heads // value.shape[1])
-    return torch.matmul(probs.to(value.dtype), value).transpose(1, 2).contiguous()
+    """probs [B, H, Tq, Tk] over values [B, KV, Tk, D] -> [B, Tq, H, D], each KV head's values read once
+    for its query heads (one `mm` over the cache's rows, no repeated copy)."""
+    b, _, tq, _ = probs.shape
+    kv, d = value.shape[1], value.shape[3]
+    grouped = _by_kv_head(probs.to(value.dtype), kv)
+    out = torch.empty(b, kv, grouped.shape[2], d, dtype=value.dtype, device=value.device)
+    for i in range(b):
+        for j in range(kv):
+            torch.mm(grouped[i, j], value[i, j], out=out[i, j])
+    return out.view(b, heads, tq, d).transpose(1, 2).contiguous()
 
 
 def _eager_with_weights(module, query, key, value, mask, *, scaling, softcap):

@@ -86,3 +86,29 @@ def test_decode_steps_equal_a_full_forward(arch, monkeypatch):
         step = forward_at(lm.model, cache, ids[:, position:position + 1], torch.tensor([[position]]))[0, -1]
         assert torch.allclose(step, full[position], atol=1e-4), (step - full[position]).abs().max()
     assert len(calls) == 6 * lm.config.num_hidden_layers  # every layer of every step took it
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_probed_attention_by_kv_head_equals_eager_attention_over_repeated_keys(softcap):
+    """The probed (eager, with weights) path runs each KV head's query heads as one mm against its unrepeated
+    keys: its weights and outputs equal attention over repeated keys, for several rows, sequences and a
+    strided cache slice."""
+    from cacheclip_rag.attention import _eager_with_weights
+
+    torch.manual_seed(2)
+    query = torch.randn(2, 5, 8, 16).transpose(1, 2)  # transformers' layout: a transposed view
+    room_k, room_v = torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
+    key, value = room_k[:, :, :40], room_v[:, :, :40]  # the cache's strided slice
+    allowed = torch.rand(2, 1, 5, 40) > 0.3
+    allowed[..., 0] = True
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out, probs = _eager_with_weights(None, query, key, value, additive, scaling=0.25, softcap=softcap)
+    group = 4
+    scores = query.double() @ repeat_kv(key, group).double().transpose(2, 3) * 0.25
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    expected_probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    expected = (expected_probs @ repeat_kv(value, group).double()).transpose(1, 2)
+    assert probs.shape == (2, 8, 5, 40) and out.shape == (2, 5, 8, 16)
+    assert torch.allclose(probs.double(), expected_probs, atol=1e-6)
+    assert torch.allclose(out.double(), expected, atol=1e-5)
