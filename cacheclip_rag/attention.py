@@ -23,6 +23,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import cpu_kernels
 from .blocked_attention import RowBlock, blocked_attention
 from .models import layer_types, text_config
 
@@ -145,7 +146,11 @@ def one_row_attention(query, key, value, mask, *, scaling, softcap) -> torch.Ten
     operand, not a copy), softmax in float32. On the CPU this took 0.3 ms a layer against sdpa's 5.0 ms for
     one row over 4K rows (bench/RESULTS.md, issue 50): sdpa copies the keys once per query head
     (`repeat_kv`) and runs its blocked kernel for a single row. A batched `matmul` over the cache's slice
-    (strided: the cache holds room to grow) copied the keys and values every layer, 2-4x slower here."""
+    (strided: the cache holds room to grow) copied the keys and values every layer, 2-4x slower here.
+    Without a mask or softcap, a bf16 row of one sequence goes to `cpu_kernels.one_row_attention` where
+    it is built (2-4x faster again at 2K-4K, bench/RESULTS.md)."""
+    if mask is None and softcap is None and cpu_kernels.attention_applies(query, key, value):
+        return cpu_kernels.one_row_attention(query, key, value, scaling)
     batch, heads, _, dim = query.shape
     kv_heads, rows = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)  # head h reads KV head h // group

@@ -22,6 +22,8 @@ import os
 import torch
 from torch import nn
 
+from . import cpu_kernels
+
 # oneDNN keeps a primitive for every input shape a bf16 linear or matmul has seen (its own primitive cache, and
 # ideep's cache of computation parameters above it; 1,024 entries each by default), holding memory that grows
 # with the shape's rows. Prompts of ever new lengths then grow a process without end: here ~100 MB a 4K RULER
@@ -64,6 +66,30 @@ class PackedLinear(nn.Module):
         # batch-size hint 1: the decode step's shape; a many-row input runs on the same packed weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = linear.bias
+        self.gemv_address = self._checked_gemv_address()
+
+    def _checked_gemv_address(self) -> int | None:
+        """The packed weight's address where `cpu_kernels.packed_gemv` reads it right: its byte size is the
+        layout's ([ceil(O/64)][I/2][64][2] bf16) and its product for a random row equals oneDNN's to bf16
+        rounding. None elsewhere (no kernels, an odd input width, another layout): oneDNN runs every row."""
+        if self.in_features % 2 or not cpu_kernels.available():
+            return None
+        if torch.ops.mkldnn._nbytes(self.packed) != -(-self.out_features // 64) * 64 * self.in_features * 2:
+            return None
+        address = torch.ops.mkldnn.data_ptr(self.packed)
+        generator = torch.Generator().manual_seed(self.in_features * 7919 + self.out_features)
+        x = torch.randn(1, self.in_features, generator=generator).to(torch.bfloat16)
+        with torch.no_grad():
+            ours = cpu_kernels.packed_gemv(x, address, self.out_features, self._bias_for_kernel()).float()
+            theirs = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "").float()
+        close = (ours - theirs).abs().max() <= 2e-2 * theirs.abs().max().clamp_min(1e-6)
+        return address if bool(close) else None
+
+    def _bias_for_kernel(self) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        return self.bias.detach() if self.bias.dtype == torch.bfloat16 and self.bias.is_contiguous() else \
+            self.bias.detach().to(torch.bfloat16).contiguous()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -72,6 +98,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"PackedLinear takes bf16 input, got {x.dtype}")
+        if self.gemv_address is not None and x.numel() == self.in_features and cpu_kernels.enabled():
+            row = x.reshape(1, self.in_features)  # a decode step's one row: the memory-speed kernel
+            out = cpu_kernels.packed_gemv(row if row.is_contiguous() else row.contiguous(), self.gemv_address,
+                                          self.out_features, self._bias_for_kernel())
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def dense(self) -> nn.Linear:

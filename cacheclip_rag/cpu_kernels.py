@@ -1,0 +1,120 @@
+"""Decode-step kernels for bf16 models on CPUs with AVX-512 BF16: built once, checked, or not used at all.
+
+A decode step reads every weight once for one row, so it runs at the memory's speed, and oneDNN's bf16
+product for one row reached ~20-29 GB/s here where the weights stream at ~30-50 GB/s; one query row's
+attention through torch's `mm`s cost ~0.2-0.3 ms a layer over a 2K-4K cache, for 1 MB of keys and values.
+`csrc/cpu_decode.cpp` holds two kernels for that step:
+
+- `packed_gemv`: one row through a linear whose weight oneDNN already prepacked (`packed_linear`), reading
+  that packed layout in place: no second copy of any weight.
+- `one_row_attention`: one query row of each head over a bf16 cache, the query heads of a KV head together,
+  key ranges split over the threads and merged by log-sum-exp.
+
+Both accumulate in float32 and round once to bf16, as oneDNN and torch's paths do; only the order of the
+sums differs (results agree to bf16 rounding, tests/test_cpu_kernels.py). They are built on first use with
+torch's own extension builder (g++ and ninja, ~10 s; cached under `TORCH_EXTENSIONS_DIR`), with OpenMP so
+they run on torch's own thread pool (the same libgomp). Where the CPU lacks AVX-512 BF16, no compiler is
+found, the build fails or `CACHECLIP_CPU_KERNELS=0` is set, `available()` is False, the reason is logged
+once, and every caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+ATTENTION_DIMS = frozenset({32, 64, 128})
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _why_not() -> str | None:
+    """None where the kernels may be built here; else the reason they are not."""
+    if os.environ.get("CACHECLIP_CPU_KERNELS", "1") == "0":
+        return "CACHECLIP_CPU_KERNELS=0"
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if probe is None or not probe():
+        return "this CPU has no AVX-512 BF16"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler on PATH"
+    return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package's binary sits in the environment's bin/,
+    which is not on PATH when the interpreter is run by its full path."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = getattr(ninja, "BIN_DIR", None)
+    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on the first call); logs why not, once."""
+    if "ok" in _state:
+        return bool(_state["ok"])
+    with _lock:
+        if "ok" not in _state:
+            reason = _why_not()
+            if reason is None:
+                try:
+                    from torch.utils.cpp_extension import load
+
+                    _put_ninja_on_path()
+
+                    load(name="cacheclip_cpu_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                         is_python_module=False, verbose=False)
+                except Exception as error:  # noqa: BLE001 - any build failure leaves torch's paths in use
+                    reason = f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
+            if reason is not None:
+                log.info("CPU decode kernels not used (%s); decode runs on torch's kernels", reason)
+            _state["ok"], _state["reason"] = reason is None, reason
+    return bool(_state["ok"])
+
+
+def enabled() -> bool:
+    """`available()` unless switched off in this process by `set_enabled(False)` (benchmarks compare both)."""
+    return _state.get("enabled", True) and available()
+
+
+def set_enabled(on: bool) -> None:
+    """Use the kernels where they apply (True, the default) or keep torch's paths everywhere (False)."""
+    _state["enabled"] = bool(on)
+
+
+def packed_gemv(x: torch.Tensor, weight_address: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """[1, out] bf16 = x [1, in] (bf16, contiguous, even width) times the oneDNN-packed weight at
+    `weight_address` (see `packed_linear.PackedLinear`), plus `bias`."""
+    return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, out_features, bias)
+
+
+def attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `one_row_attention` takes these: one sequence, one row, bf16, a head width of 32/64/128,
+    keys and values with dense rows (a cache's slice may stride its heads)."""
+    return (query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and query.shape[0] == 1 and query.shape[2] == 1 and query.shape[-1] in ATTENTION_DIMS
+            and key.shape == value.shape and key.shape[-1] == query.shape[-1] and key.shape[2] > 0
+            and key.stride(3) == 1 and value.stride(3) == 1 and key.stride(2) == key.shape[-1]
+            and value.stride(2) == value.shape[-1] and enabled())
+
+
+def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [1, H, 1, D], key/value [1, KV, N, D] -> [1, 1, H, D]: softmax(q k^T * scaling) v for each head;
+    check `attention_applies` first."""
+    heads, dim = query.shape[1], query.shape[3]
+    out = torch.ops.cacheclip_cpu.one_row_attention(query.reshape(heads, dim).contiguous(), key[0], value[0],
+                                                   float(scaling))
+    return out.reshape(1, 1, heads, dim)

@@ -1,0 +1,248 @@
+// Decode-step kernels for bf16 models on CPUs with AVX-512 BF16 (cacheclip_rag/cpu_kernels.py builds and checks them).
+//
+// packed_gemv: y[1, O] = x[1, I] W^T over oneDNN's prepacked bf16 weight, whose layout on AVX-512 is
+//   [ceil(O/64)][ceil(I/2)][64][2] (64 outputs a block, input pairs interleaved for vdpbf16ps; the block is
+//   one contiguous stream). cpu_kernels checks that layout against oneDNN's own product for every weight.
+// one_row_attention: one query row per head (GQA: each KV head's query heads together) over a bf16 cache,
+//   flash-decoding style: (KV head, key range) work items with an online softmax, merged by log-sum-exp.
+// Both accumulate in float32 and round once to bf16, as oneDNN and sdpa do; only the order of sums differs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline float bf16_to_f32(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as at::BFloat16
+  return c10::BFloat16(f).x;
+}
+
+// exp(x) for x <= 0 (softmax arguments), to ~2 ulp: 2^n * p(r) with r in [-ln2/2, ln2/2]
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit elements
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() &&
+              x.size(1) % 2 == 0, "packed_gemv takes one contiguous bf16 row of even width");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+              bias->numel() == out_features), "packed_gemv: the bias must be bf16 [out_features]");
+  const int64_t pairs = x.size(1) / 2, blocks = (out_features + 63) / 64;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const uint16_t* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_address);
+  auto y = at::empty({1, out_features}, x.options());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[64];
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* w = wp + b * pairs * 128;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t p = 0; p < pairs; ++p, w += 128) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p]);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w), xb);
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + 32), xb);
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 64), xb);
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 96), xb);
+      }
+      _mm512_store_ps(out, a0); _mm512_store_ps(out + 16, a1);
+      _mm512_store_ps(out + 32, a2); _mm512_store_ps(out + 48, a3);
+      const int64_t n = std::min<int64_t>(64, out_features - b * 64);
+      for (int64_t c = 0; c < n; ++c) {
+        float value = out[c];
+        if (bp != nullptr) value += bf16_to_f32(bp[b * 64 + c]);
+        yp[b * 64 + c] = f32_to_bf16(value);
+      }
+    }
+  });
+  return y;
+}
+
+constexpr int64_t kTile = 128;  // keys an online-softmax step (a multiple of 16)
+
+// One (KV head, key range) work item: running max m[g], sum l[g] and unnormalised output acc[g][D] of its group.
+template <int CH>  // CH = D / 16
+void attend_range(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t lo, int64_t hi,
+                  int64_t group, float scale, float* m, float* l, float* acc, float* scores) {
+  constexpr int64_t dim = CH * 16, pairs = dim / 2;
+  const uint32_t* qpairs = reinterpret_cast<const uint32_t*>(q);
+  std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + group, 0.0f);
+  std::fill(acc, acc + group * dim, 0.0f);
+  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+    const int64_t len = std::min(kTile, hi - t0);
+    // scores: 16 keys a lane-vector. The tile's keys are transposed once into input pairs x 16 keys, then each
+    // query head's pair is broadcast against them: no horizontal sums.
+    for (int64_t j = 0; j < len; j += 16) {
+      const int64_t n = std::min<int64_t>(16, len - j);
+      alignas(64) uint32_t kt[pairs][16];
+      for (int64_t part = 0; part < pairs; part += 16) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = i < n ? _mm512_loadu_si512(keys + (t0 + j + i) * dim + 2 * part) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t i = 0; i < 16; ++i) _mm512_store_si512(kt[part + i], r[i]);
+      }
+      for (int64_t g0 = 0; g0 < group; g0 += 8) {  // 8 query heads at once: independent dot-product chains
+        const int64_t gn = std::min<int64_t>(8, group - g0);
+        __m512 a[8];
+        for (int64_t g = 0; g < 8; ++g) a[g] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < pairs; ++d) {
+          const __m512bh k = (__m512bh)_mm512_load_si512(kt[d]);
+          for (int64_t g = 0; g < gn; ++g)
+            a[g] = _mm512_dpbf16_ps(a[g], k, (__m512bh)_mm512_set1_epi32((int)qpairs[(g0 + g) * pairs + d]));
+        }
+        for (int64_t g = 0; g < gn; ++g)
+          _mm512_storeu_ps(scores + (g0 + g) * kTile + j, _mm512_mul_ps(a[g], _mm512_set1_ps(scale)));
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {  // online softmax over the tile
+      float* sg = scores + g * kTile;
+      const float new_max = std::max(m[g], *std::max_element(sg, sg + len));
+      const float rescale = std::exp(m[g] - new_max);  // 0 on the first tile (m = -inf)
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 live = (__mmask16)(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), _mm512_set1_ps(new_max)));
+        _mm512_mask_storeu_ps(sg + t, live, e);
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(live, e));
+      }
+      l[g] = l[g] * rescale + _mm512_reduce_add_ps(total);
+      m[g] = new_max;
+      for (int64_t c = 0; c < dim; ++c) acc[g * dim + c] *= rescale;
+    }
+    // acc += p V: up to 16 accumulator registers, so query heads in passes of 16 / CH
+    constexpr int64_t per_pass = CH >= 16 ? 1 : 16 / CH;
+    for (int64_t g0 = 0; g0 < group; g0 += per_pass) {
+      const int64_t gn = std::min(per_pass, group - g0);
+      __m512 a[per_pass][CH];
+      for (int64_t g = 0; g < gn; ++g)
+        for (int c = 0; c < CH; ++c) a[g][c] = _mm512_loadu_ps(acc + (g0 + g) * dim + 16 * c);
+      for (int64_t t = 0; t < len; ++t) {
+        const uint16_t* v = values + (t0 + t) * dim;
+        __m512 vc[CH];
+        for (int c = 0; c < CH; ++c) vc[c] = bf16x16_to_f32(v + 16 * c);
+        for (int64_t g = 0; g < gn; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[(g0 + g) * kTile + t]);
+          for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(p, vc[c], a[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < gn; ++g)
+        for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + (g0 + g) * dim + 16 * c, a[g][c]);
+    }
+  }
+}
+
+// query [H, D] bf16 contiguous; key/value [KV, N, D] bf16 with dense rows (the heads may be strided: a cache
+// slice); D one of 32, 64, 128. Returns [H, D] bf16.
+at::Tensor one_row_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scaling) {
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+              value.scalar_type() == at::kBFloat16, "one_row_attention takes bf16 tensors");
+  TORCH_CHECK(query.dim() == 2 && key.dim() == 3 && value.dim() == 3 && query.is_contiguous(), "bad shapes");
+  const int64_t heads = query.size(0), dim = query.size(1), kv_heads = key.size(0), rows = key.size(1);
+  TORCH_CHECK((dim == 32 || dim == 64 || dim == 128) && heads % kv_heads == 0 && rows > 0, "unsupported shape");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == dim && value.stride(1) == dim &&
+              value.size(0) == kv_heads && value.size(1) == rows && value.size(2) == dim && key.size(2) == dim,
+              "keys and values need dense rows of the query's width");
+  const int64_t group = heads / kv_heads;
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((threads + kv_heads - 1) / kv_heads,
+                                                                (rows + 4 * kTile - 1) / (4 * kTile)));
+  std::vector<float> maxes(kv_heads * splits * group), sums(kv_heads * splits * group),
+      accs(kv_heads * splits * group * dim);
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(key.data_ptr());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(value.data_ptr());
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kTile);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / splits, s = item % splits;
+      const int64_t lo = rows * s / splits, hi = rows * (s + 1) / splits;
+      auto run = dim == 32 ? attend_range<2> : dim == 64 ? attend_range<4> : attend_range<8>;
+      run(qp + h * group * dim, kp + h * key.stride(0), vp + h * value.stride(0), lo, hi, group, scale,
+          maxes.data() + item * group, sums.data() + item * group, accs.data() + item * group * dim, scores.data());
+    }
+  });
+  auto out = at::empty({heads, dim}, query.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  std::vector<float> merged(dim);
+  for (int64_t h = 0; h < kv_heads; ++h) {  // merge the key ranges by log-sum-exp
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, maxes[(h * splits + s) * group + g]);
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t item = h * splits + s;
+        const float w = std::exp(maxes[item * group + g] - top);
+        total += sums[item * group + g] * w;
+        for (int64_t c = 0; c < dim; ++c) merged[c] += accs[(item * group + g) * dim + c] * w;
+      }
+      for (int64_t c = 0; c < dim; ++c) op[(h * group + g) * dim + c] = f32_to_bf16(merged[c] / total);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cacheclip_cpu, m) {
+  m.def("packed_gemv(Tensor x, int weight_address, int out_features, Tensor? bias) -> Tensor", &packed_gemv);
+  m.def("one_row_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor", &one_row_attention);
+}
