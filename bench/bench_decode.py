@@ -3,7 +3,8 @@ own `generate` (a copy of the model loaded apart, on transformers' sdpa attentio
 same prompt, and against the engine with its linears left dense (`load_model(prepack=False)`: what the
 prepacked oneDNN weights of `packed_linear` gain), and against the engine with each step run through
 transformers' forward (`recompute.forward_at`) instead of `decode_step`'s lean loop (what the lean step
-gains), in the same run (rotating, repeated). All in the dtype "auto" picks. Prints one table; `--json`
+gains), and against the engine with the CPU decode kernels switched off (`cpu_kernels.set_enabled(False)`:
+what they gain), in the same run (rotating, repeated). All in the dtype "auto" picks. Prints one table; `--json`
 writes the rows.
 
 The engine's rate is its own decode timing (tokens after the first over the time after TTFT). For
@@ -29,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cacheclip_rag import cpu_kernels  # noqa: E402
 from cacheclip_rag.cli import demo_chunks  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine import Engine  # noqa: E402
@@ -45,8 +47,17 @@ def chunks_of(engine: Engine, tokens: int) -> list[str]:
     return out
 
 
-def engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool = True) -> float:
-    """`lean=False`: every step through `forward_at`, as before `decode_step` existed."""
+def engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool = True, kernels: bool = True) -> float:
+    """`lean=False`: every step through `forward_at`, as before `decode_step` existed. `kernels=False`: the
+    CPU decode kernels switched off for this run (torch's and oneDNN's paths)."""
+    cpu_kernels.set_enabled(kernels)
+    try:
+        return _engine_rate(engine, chunks, tokens, lean)
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
+def _engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool) -> float:
     options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1, prompt_stops=False)
     plan = engine.plan("What does the handbook say?", chunks, options)
     prefill = engine.prefill(plan, options)
@@ -92,6 +103,7 @@ def main() -> int:
         runs = {"engine": lambda: engine_rate(engine, chunks, args.tokens),
                 "engine_dense": lambda: engine_rate(dense, chunks, args.tokens),
                 "engine_forward_at": lambda: engine_rate(engine, chunks, args.tokens, lean=False),
+                "engine_no_kernels": lambda: engine_rate(engine, chunks, args.tokens, kernels=False),
                 "generate": lambda: generate_rate(engine, stock, chunks, args.tokens)}
         for warm in (engine, dense):
             engine_rate(warm, chunks, 2)
@@ -103,23 +115,30 @@ def main() -> int:
         ratios = [a / b for a, b in zip(rates["engine"], rates["generate"])]
         gains = [a / b for a, b in zip(rates["engine"], rates["engine_dense"])]
         lean_gains = [a / b for a, b in zip(rates["engine"], rates["engine_forward_at"])]
+        kernel_gains = [a / b for a, b in zip(rates["engine"], rates["engine_no_kernels"])]
         rows.append({"model": args.model, "context": prompt, "engine_tok_s": statistics.median(rates["engine"]),
                      "engine_dense_tok_s": statistics.median(rates["engine_dense"]),
                      "engine_forward_at_tok_s": statistics.median(rates["engine_forward_at"]),
                      "lean_gain": statistics.median(lean_gains), "lean_gains": lean_gains,
+                     "engine_no_kernels_tok_s": statistics.median(rates["engine_no_kernels"]),
+                     "kernel_gain": statistics.median(kernel_gains), "kernel_gains": kernel_gains,
+                     "cpu_kernels": cpu_kernels.available(),
                      "generate_tok_s": statistics.median(rates["generate"]), "ratio": statistics.median(ratios),
                      "packed_gain": statistics.median(gains), "dtype": str(lm.dtype).removeprefix("torch."),
                      "ratios": ratios, "packed_gains": gains, "tokens": args.tokens, "repeats": args.repeats,
                      "date": datetime.date.today().isoformat()})
     print(f"\n{args.model}, {str(lm.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"{args.tokens} decoded tokens, median of {args.repeats}")
-    print("| context tokens | engine tok/s | engine, dense linears | engine, steps by forward_at "
-          "| transformers generate tok/s | engine / generate (per repeat) | packed gain | lean-step gain (per repeat) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context tokens | engine tok/s | engine, no CPU kernels | engine, dense linears | engine, steps by forward_at "
+          "| transformers generate tok/s | engine / generate (per repeat) | kernel gain (per repeat) | packed gain "
+          "| lean-step gain (per repeat) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context']} | {r['engine_tok_s']:.2f} | {r['engine_dense_tok_s']:.2f} | "
+        print(f"| {r['context']} | {r['engine_tok_s']:.2f} | {r['engine_no_kernels_tok_s']:.2f} | "
+              f"{r['engine_dense_tok_s']:.2f} | "
               f"{r['engine_forward_at_tok_s']:.2f} | {r['generate_tok_s']:.2f} | "
-              f"{r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | {r['packed_gain']:.2f} | "
+              f"{r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | "
+              f"{r['kernel_gain']:.2f} ({', '.join(f'{x:.2f}' for x in r['kernel_gains'])}) | {r['packed_gain']:.2f} | "
               f"{r['lean_gain']:.2f} ({', '.join(f'{x:.2f}' for x in r['lean_gains'])}) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
