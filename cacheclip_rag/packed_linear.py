@@ -98,9 +98,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"PackedLinear takes bf16 input, got {x.dtype}")
-        if self.gemv_address is not None and x.numel() == self.in_features and cpu_kernels.enabled():
-            row = x.reshape(1, self.in_features)  # a decode step's one row: the memory-speed kernel
-            out = cpu_kernels.packed_gemv(row if row.is_contiguous() else row.contiguous(), self.gemv_address,
+        if (self.gemv_address is not None and x.numel() <= cpu_kernels.GEMV_MAX_ROWS * self.in_features
+                and cpu_kernels.enabled()):
+            rows = x.reshape(-1, self.in_features)  # a decode step's few rows: the memory-speed kernel
+            out = cpu_kernels.packed_gemv(rows if rows.is_contiguous() else rows.contiguous(), self.gemv_address,
                                           self.out_features, self._bias_for_kernel())
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -60,17 +60,32 @@ def test_packed_gemv_matches_float64(out_features, in_features, bias):
 
 
 @needs_kernels
-def test_packed_gemv_only_for_one_row():
-    """Many rows keep oneDNN's product (compute-bound, where oneDNN is fast); one row takes the kernel,
-    whose result matches that row of the many-row product to bf16 rounding."""
-    torch.manual_seed(0)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 40])
+def test_packed_gemv_for_few_rows(rows):
+    """Up to GEMV_MAX_ROWS rows (a decode batch) take the kernel, more keep oneDNN; either way each row
+    matches float64 and the same row run alone, to bf16 rounding."""
+    torch.manual_seed(rows)
     linear = nn.Linear(128, 192).to(torch.bfloat16)
     packed = PackedLinear(linear)
-    rows = torch.randn(5, 128).to(torch.bfloat16)
-    many = packed(rows)
-    for r in range(5):
-        one = packed(rows[r:r + 1])
-        assert (one.double() - many[r:r + 1].double()).abs().max() <= 2 ** -7 * many.double().abs().max()
+    x = torch.randn(1, rows, 128).to(torch.bfloat16)
+    calls = {"n": 0}
+    kernel = cpu_kernels.packed_gemv
+
+    def counted(*args):
+        calls["n"] += 1
+        return kernel(*args)
+
+    cpu_kernels.packed_gemv = counted
+    try:
+        many = packed(x)
+    finally:
+        cpu_kernels.packed_gemv = kernel
+    assert calls["n"] == (1 if rows <= cpu_kernels.GEMV_MAX_ROWS else 0)
+    expected = x.double() @ linear.weight.double().t() + linear.bias.double()
+    scale = expected.abs().max()
+    assert (many.double() - expected).abs().max() <= 2 ** -7 * scale
+    for r in range(rows):
+        assert (packed(x[:, r:r + 1]).double() - many[:, r:r + 1].double()).abs().max() <= 2 ** -7 * scale
 
 
 @needs_kernels

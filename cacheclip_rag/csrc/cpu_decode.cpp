@@ -1,6 +1,6 @@
 // Decode-step kernels for bf16 models on CPUs with AVX-512 BF16 (cacheclip_rag/cpu_kernels.py builds and checks them).
 //
-// packed_gemv: y[1, O] = x[1, I] W^T over oneDNN's prepacked bf16 weight, whose layout on AVX-512 is
+// packed_gemv: y[M, O] = x[M, I] W^T (a decode step's few rows) over oneDNN's prepacked bf16 weight, whose layout on AVX-512 is
 //   [ceil(O/64)][ceil(I/2)][64][2] (64 outputs a block, input pairs interleaved for vdpbf16ps; the block is
 //   one contiguous stream). cpu_kernels checks that layout against oneDNN's own product for every weight.
 // one_row_attention: one query row per head (GQA: each KV head's query heads together) over a bf16 cache,
@@ -76,37 +76,58 @@ inline void transpose16(__m512i* r) {
   }
 }
 
+// rows r0..r0+R-1 of x against one 64-output block: R x 4 accumulators, the block's weights loaded once a pair
+template <int R>
+inline void block_product(const uint16_t* w, const uint32_t* xp, int64_t pairs, int64_t r0, float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p, w += 128) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(r0 + r) * pairs + p]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + 16 * c, acc[r][c]);
+}
+
 at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t out_features,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) == 1 && x.is_contiguous() &&
-              x.size(1) % 2 == 0, "packed_gemv takes one contiguous bf16 row of even width");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous() &&
+              x.size(1) % 2 == 0, "packed_gemv takes contiguous bf16 rows of even width");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
               bias->numel() == out_features), "packed_gemv: the bias must be bf16 [out_features]");
-  const int64_t pairs = x.size(1) / 2, blocks = (out_features + 63) / 64;
+  const int64_t rows = x.size(0), pairs = x.size(1) / 2, blocks = (out_features + 63) / 64;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const uint16_t* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_address);
-  auto y = at::empty({1, out_features}, x.options());
+  auto y = at::empty({rows, out_features}, x.options());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[64];
+    alignas(64) float out[4 * 64];
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* w = wp + b * pairs * 128;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t p = 0; p < pairs; ++p, w += 128) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[p]);
-        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w), xb);
-        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + 32), xb);
-        a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 64), xb);
-        a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w + 96), xb);
-      }
-      _mm512_store_ps(out, a0); _mm512_store_ps(out + 16, a1);
-      _mm512_store_ps(out + 32, a2); _mm512_store_ps(out + 48, a3);
       const int64_t n = std::min<int64_t>(64, out_features - b * 64);
-      for (int64_t c = 0; c < n; ++c) {
-        float value = out[c];
-        if (bp != nullptr) value += bf16_to_f32(bp[b * 64 + c]);
-        yp[b * 64 + c] = f32_to_bf16(value);
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // the block is re-read from cache for rows past 4
+        const int64_t nr = std::min<int64_t>(4, rows - r0);
+        switch (nr) {
+          case 1: block_product<1>(w, xp, pairs, r0, out); break;
+          case 2: block_product<2>(w, xp, pairs, r0, out); break;
+          case 3: block_product<3>(w, xp, pairs, r0, out); break;
+          default: block_product<4>(w, xp, pairs, r0, out); break;
+        }
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t c = 0; c < n; ++c) {
+            float value = out[r * 64 + c];
+            if (bp != nullptr) value += bf16_to_f32(bp[b * 64 + c]);
+            yp[(r0 + r) * out_features + b * 64 + c] = f32_to_bf16(value);
+          }
       }
     }
   });
