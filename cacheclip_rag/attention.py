@@ -94,6 +94,8 @@ class ForwardContext:
     chunk_scaling: ChunkScaling | None = None
     ragged: RaggedBatch | None = None
     row_blocks: tuple[RowBlock, ...] | None = None  # CPU: attend by blocks of rows (`blocked_attention`)
+    # the masks are the default ones by `query_positions` (one sequence): a row sees keys 0..its position
+    masks_by_position: bool = False
 
 
 def _by_kv_head(rows: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -170,10 +172,16 @@ def one_row_attention(query, key, value, mask, *, scaling, softcap) -> torch.Ten
 
 
 def dense_attention(module, query, key, value, mask, *, scaling, softcap, **kwargs) -> torch.Tensor:
-    """[B, Tq, H, D] by the fastest exact path for the shape: one CPU query row by `one_row_attention`,
-    a softcap eagerly (sdpa has none), everything else by sdpa (its causal path when `mask` is None)."""
+    """[B, Tq, H, D] by the fastest exact path for the shape: one CPU query row by `one_row_attention`, a
+    bf16 causal prefill on the CPU by `cpu_kernels.positioned_attention` where it is built, a softcap eagerly
+    (sdpa has none), everything else by sdpa (its causal path when `mask` is None)."""
     if query.shape[2] == 1 and query.device.type == "cpu":
         return one_row_attention(query, key, value, mask, scaling=scaling, softcap=softcap)
+    rows, keys = query.shape[2], key.shape[2]
+    if (mask is None and softcap is None and rows == keys and getattr(module, "is_causal", True)
+            and kwargs.get("sliding_window") is None and cpu_kernels.positioned_applies(query, key, value)):
+        # sdpa's causal path (no mask, as many keys as rows) by the CPU kernel: row t sees keys 0..t
+        return cpu_kernels.positioned_attention(query, torch.arange(rows), key, value, scaling)
     if softcap is not None:
         return _eager_with_weights(module, query, key, value, mask, scaling=scaling, softcap=softcap)[0]
     return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)[0]
@@ -229,6 +237,11 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
                 scaling=scaling, softcap=softcap, sliding_window=kwargs.get("sliding_window"),
             )
             return out, None
+        if (context.masks_by_position and attention_mask is not None and softcap is None
+                and kwargs.get("sliding_window") is None and query.shape[2] == context.query_positions.shape[-1]
+                and cpu_kernels.positioned_applies(query, key, value)):
+            # the default masks by position: each row sees keys 0..its position, which the kernel reads itself
+            return cpu_kernels.positioned_attention(query, context.query_positions[0], key, value, scaling), None
         blocks = context.row_blocks
         if blocks is not None and attention_mask is not None and softcap is None and query.shape[2] == blocks[-1].stop:
             return blocked_attention(query, key, value, attention_mask, blocks, scaling=scaling,

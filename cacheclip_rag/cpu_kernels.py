@@ -1,9 +1,9 @@
-"""Decode-step kernels for bf16 models on CPUs with AVX-512 BF16: built once, checked, or not used at all.
+"""Attention and one-row kernels for bf16 models on CPUs with AVX-512 BF16: built once, checked, or not used.
 
 A decode step reads every weight once for one row, so it runs at the memory's speed, and oneDNN's bf16
 product for one row reached ~20-29 GB/s here where the weights stream at ~30-50 GB/s; one query row's
 attention through torch's `mm`s cost ~0.2-0.3 ms a layer over a 2K-4K cache, for 1 MB of keys and values.
-`csrc/cpu_decode.cpp` holds two kernels for that step:
+`csrc/cpu_kernels.cpp` holds two kernels for that step, and one for prefill:
 
 - `packed_gemv`: a decode step's few rows (up to `GEMV_MAX_ROWS`: one a request the server batches) through
   a linear whose weight oneDNN already prepacked (`packed_linear`), reading that packed layout in place: no
@@ -11,6 +11,9 @@ attention through torch's `mm`s cost ~0.2-0.3 ms a layer over a 2K-4K cache, for
   (prefill) keep oneDNN, which is compute-bound there and fast.
 - `one_row_attention`: one query row of each head over a bf16 cache, the query heads of a KV head together,
   key ranges split over the threads and merged by log-sum-exp.
+- `positioned_attention`: many query rows at given positions, each over the keys up to its position: a
+  causal prefill, or CacheClip's scattered recompute rows. torch's CPU flash kernel ran ~120-140 GFLOP/s
+  here; this one ~210-270 (scores and p V both on `vdpbf16ps`, the heads of a KV head sharing each key load).
 
 Both accumulate in float32 and round once to bf16, as oneDNN and torch's paths do; only the order of the
 sums differs (results agree to bf16 rounding, tests/test_cpu_kernels.py). They are built on first use with
@@ -32,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_decode.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 ATTENTION_DIMS = frozenset({32, 64, 128})
 GEMV_MAX_ROWS = 8
@@ -78,7 +81,7 @@ def available() -> bool:
 
                     _put_ninja_on_path()
 
-                    load(name="cacheclip_cpu_decode", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    load(name="cacheclip_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS,
                          is_python_module=False, verbose=False)
                 except Exception as error:  # noqa: BLE001 - any build failure leaves torch's paths in use
                     reason = f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
@@ -121,3 +124,24 @@ def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = torch.ops.cacheclip_cpu.one_row_attention(query.reshape(heads, dim).contiguous(), key[0], value[0],
                                                    float(scaling))
     return out.reshape(1, 1, heads, dim)
+
+
+def positioned_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `positioned_attention` takes these: one sequence, bf16, a head width of 32/64/128, at most 32
+    query heads a KV head, keys and values with dense rows."""
+    return (query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and query.shape[0] == 1 and query.shape[-1] in ATTENTION_DIMS and key.shape == value.shape
+            and key.shape[-1] == query.shape[-1] and key.shape[2] > 0 and query.shape[1] % key.shape[1] == 0
+            and query.shape[1] // key.shape[1] <= 32 and key.stride(3) == 1 and value.stride(3) == 1
+            and key.stride(2) == key.shape[-1] and value.stride(2) == value.shape[-1] and enabled())
+
+
+def positioned_attention(query: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+    """query [1, H, T, D] at `positions` [T] over key/value [1, KV, N, D] -> [1, T, H, D]: row t attends to keys
+    0..positions[t] (keys past N do not exist; a row whose position is below 0 sees none and gives zeros).
+    Check `positioned_applies` first."""
+    heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
+    out = torch.ops.cacheclip_cpu.positioned_attention(query[0].contiguous(), positions.to(torch.long).contiguous(),
+                                                      key[0], value[0], float(scaling))
+    return out.reshape(1, rows, heads, dim)

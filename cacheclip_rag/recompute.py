@@ -61,7 +61,7 @@ def forward_at(
     input_ids, positions = input_ids.to(device), positions.to(device)
     cache.write_at(positions[0] if slots is None else slots.to(device))
     query_positions = positions
-    blocks = None
+    blocks, by_position = None, False
     if chunk_scaling is not None:
         kernel = None
     if kernel is not None and not probes:
@@ -79,8 +79,9 @@ def forward_at(
         if device.type == "cpu" and positions.shape[0] == 1:  # the masks are by these positions: blocks may trim keys
             config = text_config(model)
             blocks = row_blocks(positions[0], group=config.num_attention_heads // config.num_key_value_heads)
+            by_position = True
     context = ForwardContext(query_positions=query_positions, kernel=kernel, probes=probes or {},
-                             chunk_scaling=chunk_scaling, row_blocks=blocks)
+                             chunk_scaling=chunk_scaling, row_blocks=blocks, masks_by_position=by_position)
     with forward_context(context):
         if base_model_only:
             base = model.model

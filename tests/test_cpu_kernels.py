@@ -176,3 +176,88 @@ def test_decode_steps_agree_with_kernels_on_and_off():
         cpu_kernels.set_enabled(True)
     for a, b in zip(on, off):
         assert (a - b).abs().max() <= 0.05 * b.abs().max()
+
+
+def _positioned_reference(query, positions, key, value, scaling):
+    heads, kv_heads = query.shape[1], key.shape[1]
+    k = key.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = value.double().repeat_interleave(heads // kv_heads, dim=1)
+    visible = torch.arange(key.shape[2])[None, :] <= positions[:, None]  # [T, N]
+    scores = (query.double() @ k.transpose(-1, -2) * scaling).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)  # [1, T, H, D]
+
+
+def _sdpa_error(query, positions, key, value, scaling, expected):
+    """torch's own bf16 path on the same input: the error the kernel may match."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    visible = torch.arange(key.shape[2])[None, :] <= positions[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1),
+        attn_mask=visible, scale=scaling).transpose(1, 2)
+    return (out.double() - expected).abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("keys,rows,heads,kv_heads,dim,layout", [
+    (300, 300, 14, 2, 64, "causal"), (77, 77, 4, 4, 32, "causal"), (513, 513, 16, 8, 128, "causal"),
+    (1000, 37, 14, 2, 64, "scattered"), (260, 9, 32, 1, 64, "scattered"), (129, 5, 7, 1, 128, "last")])
+def test_positioned_attention_matches_float64(keys, rows, heads, kv_heads, dim, layout):
+    """Causal prefills (row t at position t), scattered recompute rows at sorted positions, and rows at the
+    cache's end; key counts off the 16- and 64-key tiles, row counts off the 4-row blocks, GQA groups 1 to
+    32, widths 32/64/128, strided cache slices. The error is at most torch's own bf16 sdpa's, doubled."""
+    torch.manual_seed(keys + rows)
+    cache_k = torch.randn(1, kv_heads, keys + 24, dim).to(torch.bfloat16)
+    cache_v = torch.randn(1, kv_heads, keys + 24, dim).to(torch.bfloat16)
+    key, value = cache_k[:, :, :keys], cache_v[:, :, :keys]
+    query = (2 * torch.randn(1, heads, rows, dim)).to(torch.bfloat16)
+    if layout == "causal":
+        positions = torch.arange(rows)
+    elif layout == "scattered":
+        positions = torch.randperm(keys)[:rows].sort().values
+    else:
+        positions = torch.arange(keys - rows, keys)
+    assert cpu_kernels.positioned_applies(query, key, value)
+    got = cpu_kernels.positioned_attention(query, positions, key, value, dim ** -0.5)
+    expected = _positioned_reference(query, positions, key, value, dim ** -0.5)
+    assert got.shape == (1, rows, heads, dim)
+    error = (got.double() - expected).abs().max()
+    assert error <= 2 * _sdpa_error(query, positions, key, value, dim ** -0.5, expected) + 1e-3, error
+    if layout == "causal":
+        assert torch.equal(got[0, 0], value[0, :, 0].repeat_interleave(heads // kv_heads, 0))  # row 0 sees key 0
+
+
+@needs_kernels
+def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch):
+    """A small bf16 Qwen2 (head width 32): a causal prefill and recomputes of scattered rows through
+    `forward_at` (many rows, which torch's path runs by row blocks; few rows, by sdpa with the mask) call the
+    kernel in every layer, and give logits and cache rows equal to torch's paths to bf16 rounding."""
+    from cacheclip_rag import attention, blocked_attention as blocked_module
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    monkeypatch.setattr(blocked_module, "PACKED_ROWS_PER_BLOCK", 24)  # blocks for 40 rows of 2 heads a group
+    ids = torch.randint(5, 250, (1, 160), generator=torch.Generator().manual_seed(1))
+    rows = torch.randperm(160, generator=torch.Generator().manual_seed(2))[:40].sort().values
+    calls = []
+    real = cpu_kernels.positioned_attention
+    monkeypatch.setattr(cpu_kernels, "positioned_attention", lambda *a: calls.append(a[1].numel()) or real(*a))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = BlendedCache.empty(2, 1, 2, 160, 32, dtype=torch.bfloat16, device="cpu")
+        full = forward_at(model, cache, ids, torch.arange(160)[None], logits_to_keep=160).float()
+        again = forward_at(model, cache, ids[:, rows], rows[None], logits_to_keep=40).float()
+        few = forward_at(model, cache, ids[:, rows[-3:]], rows[-3:][None], logits_to_keep=3).float()
+        return full, again, few, cache.key_buffer.float()
+
+    on = run()
+    assert calls == [160, 160, 40, 40, 3, 3]  # both layers of the prefill and of each recompute
+    cpu_kernels.set_enabled(False)
+    try:
+        off = run()
+    finally:
+        cpu_kernels.set_enabled(True)
+    assert attention.cpu_kernels is cpu_kernels
+    for a, b in zip(on, off):
+        assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()

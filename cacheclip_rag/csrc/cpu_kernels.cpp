@@ -1,11 +1,16 @@
-// Decode-step kernels for bf16 models on CPUs with AVX-512 BF16 (cacheclip_rag/cpu_kernels.py builds and checks them).
+// Kernels for bf16 models on CPUs with AVX-512 BF16 (cacheclip_rag/cpu_kernels.py builds and checks them).
 //
 // packed_gemv: y[M, O] = x[M, I] W^T (a decode step's few rows) over oneDNN's prepacked bf16 weight, whose layout on AVX-512 is
 //   [ceil(O/64)][ceil(I/2)][64][2] (64 outputs a block, input pairs interleaved for vdpbf16ps; the block is
 //   one contiguous stream). cpu_kernels checks that layout against oneDNN's own product for every weight.
 // one_row_attention: one query row per head (GQA: each KV head's query heads together) over a bf16 cache,
 //   flash-decoding style: (KV head, key range) work items with an online softmax, merged by log-sum-exp.
-// Both accumulate in float32 and round once to bf16, as oneDNN and sdpa do; only the order of sums differs.
+// positioned_attention: many query rows at given positions (a prefill's causal rows, or CacheClip's scattered
+//   recompute rows), each over the keys up to its position. Keys are transposed by 16-key tiles and values
+//   paired over two keys once a call, so scores and p V both run on vdpbf16ps; the online softmax runs over
+//   64-key steps; the query heads of a KV head share every key load. p is rounded to bf16 for p V, as torch's
+//   CPU flash attention does.
+// All accumulate in float32 and round once to bf16, as oneDNN and sdpa do; only the order of sums differs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -261,9 +266,173 @@ at::Tensor one_row_attention(const at::Tensor& query, const at::Tensor& key, con
   return out;
 }
 
+constexpr int KT = 64;  // keys an online-softmax step of the many-row attention (4 x 16)
+constexpr int QB = 4;   // query rows a work item takes (times the group's heads: at most 32 rows of scores)
+
+// kt: [N/16][D/2][16] uint32 (key pairs transposed by 16-key tile); vp: [N/2][D/16][16 x 2] (value pairs
+// interleaved over two keys). Rows of query q[i] (head-major [H][M][D]) at positions pos[i].
+template <int CH>
+void attend_block(const uint16_t* qrows /* [n_rows][D], each a (head,row) combo */, const int64_t* qpos, int n_rows,
+                  const uint32_t* kt, const uint32_t* vp, int64_t nkeys, float scale, uint16_t* const* outs) {
+  constexpr int D = CH * 16, P = D / 2;
+  // per combo state
+  float m[32], l[32];
+  alignas(64) float acc[32][D];
+  int64_t last = 0;
+  for (int r = 0; r < n_rows; ++r) { m[r] = -INFINITY; l[r] = 0; std::fill(acc[r], acc[r] + D, 0.0f); last = std::max(last, qpos[r]); }
+  const int64_t end = std::min<int64_t>(nkeys, last + 1);
+  const uint32_t* q32[32];
+  for (int r = 0; r < n_rows; ++r) q32[r] = reinterpret_cast<const uint32_t*>(qrows + (int64_t)r * D);
+  alignas(64) float s[32][KT];
+  alignas(64) uint16_t pb[32][KT];
+  for (int64_t t0 = 0; t0 < end; t0 += KT) {
+    const int64_t len = std::min<int64_t>(KT, end - t0);
+    const int tiles = (int)((len + 15) / 16);
+    // scores, 4 combos at a time x 16 keys
+    for (int tile = 0; tile < tiles; ++tile) {
+      const uint32_t* k = kt + ((t0 / 16) + tile) * (int64_t)P * 16;
+      for (int r0 = 0; r0 < n_rows; r0 += 4) {
+        const int rn = std::min(4, n_rows - r0);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int d = 0; d < P; ++d) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + d * 16);
+          a0 = _mm512_dpbf16_ps(a0, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0][d]));
+          if (rn > 1) a1 = _mm512_dpbf16_ps(a1, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0 + 1][d]));
+          if (rn > 2) a2 = _mm512_dpbf16_ps(a2, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0 + 2][d]));
+          if (rn > 3) a3 = _mm512_dpbf16_ps(a3, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0 + 3][d]));
+        }
+        __m512 a[4] = {a0, a1, a2, a3};
+        const __m512i keyidx = _mm512_add_epi32(_mm512_set1_epi32((int)(t0 + tile * 16)),
+                                                _mm512_setr_epi32(0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15));
+        for (int j = 0; j < rn; ++j) {
+          const __mmask16 visible = _mm512_cmple_epi32_mask(keyidx, _mm512_set1_epi32((int)qpos[r0 + j]));
+          _mm512_store_ps(s[r0 + j] + tile * 16, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible,
+                                                                    _mm512_mul_ps(a[j], _mm512_set1_ps(scale))));
+        }
+      }
+    }
+    // online softmax over the step
+    for (int r = 0; r < n_rows; ++r) {
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int tile = 0; tile < tiles; ++tile) mx = _mm512_max_ps(mx, _mm512_load_ps(s[r] + tile * 16));
+      const float tmax = _mm512_reduce_max_ps(mx);
+      if (tmax == -INFINITY) { for (int tile = 0; tile < tiles; ++tile) _mm256_store_si256((__m256i*)(pb[r] + tile * 16), _mm256_setzero_si256()); continue; }
+      const float nm = std::max(m[r], tmax);
+      const float rescale = std::exp(m[r] - nm);
+      __m512 tot = _mm512_setzero_ps();
+      for (int tile = 0; tile < tiles; ++tile) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s[r] + tile * 16), _mm512_set1_ps(nm)));
+        const __m256bh eb = _mm512_cvtneps_pbh(e);
+        _mm256_store_si256((__m256i*)(pb[r] + tile * 16), (__m256i)eb);
+        tot = _mm512_add_ps(tot, e);
+      }
+      l[r] = l[r] * rescale + _mm512_reduce_add_ps(tot);
+      m[r] = nm;
+      if (rescale != 1.0f) { const __m512 rs = _mm512_set1_ps(rescale); for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), rs)); }
+    }
+    // acc += p V over key pairs, RB combos at a time (RB x CH <= 16 accumulators)
+    constexpr int RB = CH <= 4 ? 4 : 2;
+    const int pairs = (int)((tiles * 16) / 2);
+    for (int r0 = 0; r0 < n_rows; r0 += RB) {
+      const int rn = std::min(RB, n_rows - r0);
+      __m512 a[RB][CH];
+      for (int j = 0; j < RB; ++j) for (int c = 0; c < CH; ++c) a[j][c] = j < rn ? _mm512_load_ps(acc[r0 + j] + 16 * c) : _mm512_setzero_ps();
+      const uint32_t* v = vp + (t0 / 2) * (int64_t)CH * 16;
+      for (int u = 0; u < pairs; ++u, v += CH * 16) {
+        __m512bh vv[CH];
+        for (int c = 0; c < CH; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + c * 16);
+        for (int j = 0; j < rn; ++j) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)reinterpret_cast<const uint32_t*>(pb[r0 + j])[u]);
+          for (int c = 0; c < CH; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], vv[c], pp);
+        }
+      }
+      for (int j = 0; j < rn; ++j) for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[r0 + j] + 16 * c, a[j][c]);
+    }
+  }
+  for (int r = 0; r < n_rows; ++r) {
+    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    for (int c = 0; c < D; ++c) outs[r][c] = f32_to_bf16(acc[r][c] * inv);
+  }
+}
+
+// query [H, M, D]; positions [M] (key j visible to row i iff j <= positions[i]); key/value [KV, N, D] dense rows.
+at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& positions, const at::Tensor& key,
+                                const at::Tensor& value, double scaling) {
+  const int64_t H = query.size(0), M = query.size(1), D = query.size(2), KV = key.size(0), N = key.size(1);
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+              value.scalar_type() == at::kBFloat16 && positions.scalar_type() == at::kLong, "bf16 tensors, int64 positions");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && query.is_contiguous() &&
+              positions.is_contiguous() && positions.numel() == M, "bad shapes");
+  TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && H / KV <= 32 && N > 0, "unsupported shape");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == D && value.stride(1) == D &&
+              value.size(0) == KV && value.size(1) == N && key.size(2) == D && value.size(2) == D,
+              "keys and values need dense rows of the query's width");
+  const int64_t G = H / KV, P = D / 2, NT = (N + 15) / 16, NP = NT * 8;
+  const int64_t QR = std::max<int64_t>(1, std::min<int64_t>(QB, 32 / G));  // query rows a work item: <= 32 combos
+  // transposed keys and paired values, per KV head (padded to whole 16-key tiles with zeros)
+  std::vector<uint32_t> kt(KV * NT * P * 16, 0), vp(KV * NP * (D / 16) * 16, 0);
+  const uint16_t* kp = (const uint16_t*)key.data_ptr();
+  const uint16_t* vsrc = (const uint16_t*)value.data_ptr();
+  at::parallel_for(0, KV * NT, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t h = b / NT, tile = b % NT;
+      for (int64_t part = 0; part < P; part += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t row = tile * 16 + i;
+          r[i] = row < N ? _mm512_loadu_si512(kp + h * key.stride(0) + row * D + 2 * part) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(&kt[((h * NT + tile) * P + part + i) * 16], r[i]);
+      }
+      // values: keys tile*16 .. +16 -> 8 pairs; pair u holds for chunk c: [v[2u][c*16+x], v[2u+1][c*16+x]] x
+      for (int64_t u = tile * 8; u < tile * 8 + 8; ++u) {
+        const int64_t ra = 2 * u, rb = 2 * u + 1;
+        for (int64_t c = 0; c < D / 16; ++c)
+          for (int x = 0; x < 16; ++x) {
+            const uint16_t va = ra < N ? vsrc[h * value.stride(0) + ra * D + c * 16 + x] : 0;
+            const uint16_t vb = rb < N ? vsrc[h * value.stride(0) + rb * D + c * 16 + x] : 0;
+            vp[((h * NP + u) * (D / 16) + c) * 16 + x] = (uint32_t)va | ((uint32_t)vb << 16);
+          }
+      }
+    }
+  });
+  auto out = at::empty({M, H, D}, query.options());
+  const uint16_t* qp = (const uint16_t*)query.data_ptr();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  const int64_t blocks = (M + QR - 1) / QR;
+  // work: (kv head, row block), later row blocks first (they have more keys)
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), KV * blocks));
+  at::parallel_for(0, lanes, 1, [&](int64_t l0, int64_t l1) {
+   for (int64_t lane = l0; lane < l1; ++lane)
+    for (int64_t w = lane; w < KV * blocks; w += lanes) {  // round robin: causal rows' costs differ
+      const int64_t h = w % KV, blk = blocks - 1 - w / KV;
+      const int64_t i0 = blk * QR, rn = std::min<int64_t>(QR, M - i0);
+      // combos: g-major over the block's rows
+      std::vector<uint16_t> qrows(G * rn * D);
+      int64_t qpos[32];
+      uint16_t* outs[32];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < rn; ++i) {
+          const int64_t combo = g * rn + i;
+          std::memcpy(&qrows[combo * D], qp + ((h * G + g) * M + i0 + i) * D, D * 2);
+          qpos[combo] = pos[i0 + i];
+          outs[combo] = op + ((i0 + i) * H + h * G + g) * D;
+        }
+      auto run = D == 32 ? attend_block<2> : D == 64 ? attend_block<4> : attend_block<8>;
+      run(qrows.data(), qpos, (int)(G * rn), kt.data() + h * NT * P * 16, vp.data() + h * NP * (D / 16) * 16,
+          N, (float)scaling, outs);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cacheclip_cpu, m) {
   m.def("packed_gemv(Tensor x, int weight_address, int out_features, Tensor? bias) -> Tensor", &packed_gemv);
   m.def("one_row_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor", &one_row_attention);
+  m.def("positioned_attention(Tensor query, Tensor positions, Tensor key, Tensor value, float scaling) -> Tensor",
+        &positioned_attention);
 }
