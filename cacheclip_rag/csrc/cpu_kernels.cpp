@@ -269,6 +269,41 @@ at::Tensor one_row_attention(const at::Tensor& query, const at::Tensor& key, con
 constexpr int KT = 64;  // keys an online-softmax step of the many-row attention (4 x 16)
 constexpr int QB = 4;   // query rows a work item takes (times the group's heads: at most 32 rows of scores)
 
+// scores of R query rows (combos) against one 16-key tile of transposed keys, masked by position
+template <int P, int R>
+inline void score_rows(const uint32_t* k, const uint32_t* const* q32, const int64_t* qpos, __m512i keyidx, float scale,
+                       float (*s)[KT], int tile) {
+  __m512 a[R];
+  for (int j = 0; j < R; ++j) a[j] = _mm512_setzero_ps();
+  for (int d = 0; d < P; ++d) {
+    const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + d * 16);
+    for (int j = 0; j < R; ++j) a[j] = _mm512_dpbf16_ps(a[j], kv, (__m512bh)_mm512_set1_epi32((int)q32[j][d]));
+  }
+  for (int j = 0; j < R; ++j) {
+    const __mmask16 visible = _mm512_cmple_epi32_mask(keyidx, _mm512_set1_epi32((int)qpos[j]));
+    _mm512_store_ps(s[j] + tile * 16, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible,
+                                                          _mm512_mul_ps(a[j], _mm512_set1_ps(scale))));
+  }
+}
+
+// acc[j] += sum over key pairs of p[j] (bf16 pairs) x V (pairs interleaved over two keys), for R rows
+template <int CH, int R>
+inline void value_rows(const uint32_t* v, int pairs, const uint16_t (*pb)[KT], float (*acc)[CH * 16]) {
+  __m512 a[R][CH];
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < CH; ++c) a[j][c] = _mm512_load_ps(acc[j] + 16 * c);
+  for (int u = 0; u < pairs; ++u, v += CH * 16) {
+    __m512bh vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + c * 16);
+    for (int j = 0; j < R; ++j) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)reinterpret_cast<const uint32_t*>(pb[j])[u]);
+      for (int c = 0; c < CH; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], vv[c], pp);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[j] + 16 * c, a[j][c]);
+}
+
 // kt: [N/16][D/2][16] uint32 (key pairs transposed by 16-key tile); vp: [N/2][D/16][16 x 2] (value pairs
 // interleaved over two keys). Rows of query q[i] (head-major [H][M][D]) at positions pos[i].
 template <int CH>
@@ -291,23 +326,14 @@ void attend_block(const uint16_t* qrows /* [n_rows][D], each a (head,row) combo 
     // scores, 4 combos at a time x 16 keys
     for (int tile = 0; tile < tiles; ++tile) {
       const uint32_t* k = kt + ((t0 / 16) + tile) * (int64_t)P * 16;
+      const __m512i keyidx = _mm512_add_epi32(_mm512_set1_epi32((int)(t0 + tile * 16)),
+                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       for (int r0 = 0; r0 < n_rows; r0 += 4) {
-        const int rn = std::min(4, n_rows - r0);
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int d = 0; d < P; ++d) {
-          const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + d * 16);
-          a0 = _mm512_dpbf16_ps(a0, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0][d]));
-          if (rn > 1) a1 = _mm512_dpbf16_ps(a1, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0 + 1][d]));
-          if (rn > 2) a2 = _mm512_dpbf16_ps(a2, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0 + 2][d]));
-          if (rn > 3) a3 = _mm512_dpbf16_ps(a3, kv, (__m512bh)_mm512_set1_epi32((int)q32[r0 + 3][d]));
-        }
-        __m512 a[4] = {a0, a1, a2, a3};
-        const __m512i keyidx = _mm512_add_epi32(_mm512_set1_epi32((int)(t0 + tile * 16)),
-                                                _mm512_setr_epi32(0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15));
-        for (int j = 0; j < rn; ++j) {
-          const __mmask16 visible = _mm512_cmple_epi32_mask(keyidx, _mm512_set1_epi32((int)qpos[r0 + j]));
-          _mm512_store_ps(s[r0 + j] + tile * 16, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), visible,
-                                                                    _mm512_mul_ps(a[j], _mm512_set1_ps(scale))));
+        switch (std::min(4, n_rows - r0)) {
+          case 1: score_rows<P, 1>(k, q32 + r0, qpos + r0, keyidx, scale, &s[r0], tile); break;
+          case 2: score_rows<P, 2>(k, q32 + r0, qpos + r0, keyidx, scale, &s[r0], tile); break;
+          case 3: score_rows<P, 3>(k, q32 + r0, qpos + r0, keyidx, scale, &s[r0], tile); break;
+          default: score_rows<P, 4>(k, q32 + r0, qpos + r0, keyidx, scale, &s[r0], tile); break;
         }
       }
     }
@@ -330,23 +356,17 @@ void attend_block(const uint16_t* qrows /* [n_rows][D], each a (head,row) combo 
       m[r] = nm;
       if (rescale != 1.0f) { const __m512 rs = _mm512_set1_ps(rescale); for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), rs)); }
     }
-    // acc += p V over key pairs, RB combos at a time (RB x CH <= 16 accumulators)
+    // acc += p V over key pairs, RB combos at a time (RB x CH <= 16 accumulators, kept in registers)
     constexpr int RB = CH <= 4 ? 4 : 2;
     const int pairs = (int)((tiles * 16) / 2);
+    const uint32_t* v = vp + (t0 / 2) * (int64_t)CH * 16;
     for (int r0 = 0; r0 < n_rows; r0 += RB) {
-      const int rn = std::min(RB, n_rows - r0);
-      __m512 a[RB][CH];
-      for (int j = 0; j < RB; ++j) for (int c = 0; c < CH; ++c) a[j][c] = j < rn ? _mm512_load_ps(acc[r0 + j] + 16 * c) : _mm512_setzero_ps();
-      const uint32_t* v = vp + (t0 / 2) * (int64_t)CH * 16;
-      for (int u = 0; u < pairs; ++u, v += CH * 16) {
-        __m512bh vv[CH];
-        for (int c = 0; c < CH; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + c * 16);
-        for (int j = 0; j < rn; ++j) {
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)reinterpret_cast<const uint32_t*>(pb[r0 + j])[u]);
-          for (int c = 0; c < CH; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], vv[c], pp);
-        }
+      switch (std::min(RB, n_rows - r0)) {
+        case 1: value_rows<CH, 1>(v, pairs, &pb[r0], &acc[r0]); break;
+        case 2: value_rows<CH, 2>(v, pairs, &pb[r0], &acc[r0]); break;
+        case 3: value_rows<CH, 3>(v, pairs, &pb[r0], &acc[r0]); break;
+        default: value_rows<CH, RB>(v, pairs, &pb[r0], &acc[r0]); break;
       }
-      for (int j = 0; j < rn; ++j) for (int c = 0; c < CH; ++c) _mm512_store_ps(acc[r0 + j] + 16 * c, a[j][c]);
     }
   }
   for (int r = 0; r < n_rows; ++r) {
@@ -420,9 +440,11 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
           qpos[combo] = pos[i0 + i];
           outs[combo] = op + ((i0 + i) * H + h * G + g) * D;
         }
-      auto run = D == 32 ? attend_block<2> : D == 64 ? attend_block<4> : attend_block<8>;
-      run(qrows.data(), qpos, (int)(G * rn), kt.data() + h * NT * P * 16, vp.data() + h * NP * (D / 16) * 16,
-          N, (float)scaling, outs);
+      const uint32_t* keys_t = kt.data() + h * NT * P * 16;
+      const uint32_t* values_p = vp.data() + h * NP * (D / 16) * 16;
+      if (D == 64) attend_block<4>(qrows.data(), qpos, (int)(G * rn), keys_t, values_p, N, (float)scaling, outs);
+      else if (D == 128) attend_block<8>(qrows.data(), qpos, (int)(G * rn), keys_t, values_p, N, (float)scaling, outs);
+      else attend_block<2>(qrows.data(), qpos, (int)(G * rn), keys_t, values_p, N, (float)scaling, outs);
     }
   });
   return out;
