@@ -52,8 +52,14 @@ def case(model: str, keys: int, rows: int, repeats: int, generator: torch.Genera
         positions = torch.randperm(keys, generator=generator)[:rows].sort().values
         mask = (torch.arange(keys)[None, :] <= positions[:, None])[None, None]  # the default mask, boolean
         blocks = row_blocks(positions, group=heads // kv_heads)
-        torch_path = lambda: blocked_attention(query, key, value, mask, blocks, scaling=scaling)  # noqa: E731
-        torch_name = "row blocks"
+        if blocks is not None:
+            torch_path = lambda: blocked_attention(query, key, value, mask, blocks, scaling=scaling)  # noqa: E731
+            torch_name = "row blocks"
+        else:  # too few rows for two blocks: sdpa over every key, as forward_at does then
+            repeated = (key.repeat_interleave(heads // kv_heads, 1), value.repeat_interleave(heads // kv_heads, 1))
+            torch_path = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                query, *repeated, attn_mask=mask, scale=scaling)
+            torch_name = "sdpa, masked"
     ours = lambda: cpu_kernels.positioned_attention(query, positions, key, value, scaling)  # noqa: E731
     runs: dict[str, list[float]] = {"kernel": [], "torch": []}
     ours(), torch_path()  # warm: the kernels' build, oneDNN's primitives
