@@ -86,7 +86,7 @@ def available() -> bool:
                 except Exception as error:  # noqa: BLE001 - any build failure leaves torch's paths in use
                     reason = f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
             if reason is not None:
-                log.info("CPU decode kernels not used (%s); decode runs on torch's kernels", reason)
+                log.info("CPU kernels not used (%s); attention and one-row products run on torch's paths", reason)
             _state["ok"], _state["reason"] = reason is None, reason
     return bool(_state["ok"])
 
@@ -107,14 +107,20 @@ def packed_gemv(x: torch.Tensor, weight_address: int, out_features: int, bias: t
     return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, out_features, bias)
 
 
-def attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `one_row_attention` takes these: one sequence, one row, bf16, a head width of 32/64/128,
-    keys and values with dense rows (a cache's slice may stride its heads)."""
+def _over_a_bf16_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """What both attention kernels take: one sequence of bf16 CPU tensors, a head width of 32/64/128, whole
+    groups of query heads a KV head, keys and values of one shape with dense rows (a cache's slice may stride
+    its heads)."""
     return (query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and query.shape[0] == 1 and query.shape[2] == 1 and query.shape[-1] in ATTENTION_DIMS
-            and key.shape == value.shape and key.shape[-1] == query.shape[-1] and key.shape[2] > 0
+            and query.shape[0] == 1 and query.shape[-1] in ATTENTION_DIMS and key.shape == value.shape
+            and key.shape[-1] == query.shape[-1] and key.shape[2] > 0 and query.shape[1] % key.shape[1] == 0
             and key.stride(3) == 1 and value.stride(3) == 1 and key.stride(2) == key.shape[-1]
-            and value.stride(2) == value.shape[-1] and enabled())
+            and value.stride(2) == value.shape[-1])
+
+
+def attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `one_row_attention` takes these: one query row over a bf16 cache (`_over_a_bf16_cache`)."""
+    return query.shape[2] == 1 and _over_a_bf16_cache(query, key, value) and enabled()
 
 
 def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -127,13 +133,9 @@ def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def positioned_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether `positioned_attention` takes these: one sequence, bf16, a head width of 32/64/128, at most 32
-    query heads a KV head, keys and values with dense rows."""
-    return (query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and query.shape[0] == 1 and query.shape[-1] in ATTENTION_DIMS and key.shape == value.shape
-            and key.shape[-1] == query.shape[-1] and key.shape[2] > 0 and query.shape[1] % key.shape[1] == 0
-            and query.shape[1] // key.shape[1] <= 32 and key.stride(3) == 1 and value.stride(3) == 1
-            and key.stride(2) == key.shape[-1] and value.stride(2) == value.shape[-1] and enabled())
+    """Whether `positioned_attention` takes these: rows over a bf16 cache (`_over_a_bf16_cache`), at most 32
+    query heads a KV head."""
+    return (_over_a_bf16_cache(query, key, value) and query.shape[1] // key.shape[1] <= 32 and enabled())
 
 
 def positioned_attention(query: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
