@@ -31,6 +31,7 @@ RECOMPUTE_LAYERS = ("all", "sliding", "global")  # Diagnostics.recompute_layers
 SELECTIONS = ("question", "aux")
 DEFAULT_SELECTION = "question"
 SPREAD_RATIO = 0.5  # RequestOptions.spread_ratio's default
+MIN_RECOMPUTE_TOKENS = 256  # RequestOptions.min_recompute_tokens's default
 
 
 CACHE_ENV = "CACHECLIP_CACHE"
@@ -185,6 +186,10 @@ class RequestOptions:
     # drawn from several chunks: `spread.answer_spread`); None: the ratio alone. At ratio 0.2 the lists such
     # questions ask for were kept in 0.74 of full's complete answers at 4K, at 0.5 in 0.93 (bench/RESULTS.md)
     spread_ratio: float | None = SPREAD_RATIO
+    # cacheclip recomputes at least this many chunk tokens (all of a shorter prompt's: `full`'s answer); 0: the
+    # ratio alone. Reuse saves little there (a 91-token prompt: 0.18 s against full's 0.21 s on 2 CPU cores) and
+    # lost answers (bench/RESULTS.md, "Evaluated as deployed")
+    min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
@@ -204,6 +209,9 @@ class RequestOptions:
 
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens)
+        _require_int("min_recompute_tokens", self.min_recompute_tokens)
+        if self.min_recompute_tokens < 0:
+            raise ValueError(f"min_recompute_tokens must be >= 0, got {self.min_recompute_tokens}")
         for name in ("temperature", "top_p", "ape_temperature", "ape_scale"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
                 raise TypeError(f"{name} must be a number, got {type(getattr(self, name)).__name__}")

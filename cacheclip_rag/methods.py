@@ -136,14 +136,26 @@ def spread_budget(plan: Plan, options: RequestOptions) -> RequestOptions:
     return replace(options, ratio=options.spread_ratio)
 
 
+def short_prompt_budget(plan: Plan, options: RequestOptions) -> RequestOptions:
+    """`options` with a ratio that recomputes at least `min_recompute_tokens` chunk rows (every row of a
+    prompt with fewer chunk tokens: ratio 1, which is `full`'s answer); ratio 0 (reuse alone) is left as
+    asked. Below a few hundred chunk tokens reuse saves a fraction of a second at most, and there the
+    reused caches lost answers (the README's two-chunk example answered with the other chunk's year)."""
+    total = sum(len(ids) for ids in plan.chunk_ids)
+    if options.ratio <= 0.0 or total == 0 or options.min_recompute_tokens <= options.ratio * total:
+        return options
+    return replace(options, ratio=min(1.0, options.min_recompute_tokens / total))
+
+
 def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """CacheClip: load (the aux's pick overlapped) -> select -> recompute. `selection="aux"`, the paper's:
     the aux's pick is the selection. `"question"` (the default): the question's attention over the loaded
     cache picks the budget, after the aux's pick of `aux_share` of it (none at 0) was recomputed. A question
-    whose subject several chunks hold gets `spread_ratio`'s budget (`spread_budget`)."""
+    whose subject several chunks hold gets `spread_ratio`'s budget (`spread_budget`); a short prompt at
+    least `min_recompute_tokens` (`short_prompt_budget`)."""
     trace = _trace(parts, options)
     with trace.stage("select"):
-        options = spread_budget(plan, options)
+        options = short_prompt_budget(plan, spread_budget(plan, options))
     prefill = _prefill_cacheclip_at(parts, plan, options, trace)
     prefill.ratio = options.ratio
     return prefill

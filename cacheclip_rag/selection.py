@@ -102,8 +102,11 @@ def question_attention(parts: Parts, cache: BlendedCache, plan: Plan, options: R
         forward_at(parts.primary.model, cache, ids[None], early[None], kernel=parts.kernel)
     if options.ratio <= 0.0:
         return Selection(first.rows, int(early.numel()))
-    scores = question_scores(parts, cache, plan, options)
     skip = 1 if options.diagnostics.shared_prefix else 0
+    if options.ratio >= 1.0:  # every row: nothing to rank, so no question pass
+        every = [torch.full((len(ids),), c >= skip, dtype=torch.bool) for c, ids in enumerate(plan.chunk_ids)]
+        return Selection(tuple(every), int(early.numel()))
+    scores = question_scores(parts, cache, plan, options)
     per_chunk = []
     for c, ((a, b), chosen) in enumerate(zip(plan.chunk_rows(), first.rows)):
         score = scores[a:b].clone()

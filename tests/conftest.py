@@ -55,6 +55,9 @@ def options_of(method="cacheclip", ratio=0.2, requery="default", **kw) -> Reques
     ablations = {k: kw.pop(k) for k in [k for k in kw if k in Diagnostics.__dataclass_fields__]}
     selection = ({} if requery == "default" else dict(selection="aux") if requery is None
                  else dict(selection="question", aux_share=requery))
+    # the tiny prompts here are a few dozen tokens, all under the short-prompt floor, which would recompute every
+    # row: these tests pin what a ratio does, so the floor is off unless a test asks (tests/test_short_prompts.py)
+    kw.setdefault("min_recompute_tokens", 0)
     return RequestOptions(method=method, ratio=ratio, **selection, diagnostics=Diagnostics(**ablations), **kw)
 
 

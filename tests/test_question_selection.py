@@ -57,7 +57,7 @@ def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_sel
 def test_the_question_selection_recomputes_the_rows_the_question_attends_to_most(make_engine):
     engine = make_engine(tiny_model("qwen2"))
     plan, p = prefill(engine, ratio=0.25, requery=0.0, grouping=False)
-    options = RequestOptions(ratio=0.25, max_new_tokens=1)
+    options = RequestOptions(ratio=0.25, max_new_tokens=1, min_recompute_tokens=0)
     cache = blend.blended_cache(engine.parts, plan, options, shared=True)
     scores = question_scores(engine.parts, cache, plan, options)
     assert math.isclose(float(scores.sum()), 1.0, rel_tol=1e-4)  # each layer's share over the chunk rows
@@ -110,7 +110,7 @@ def test_requery_is_a_deprecated_spelling_of_the_selection():
 
 def test_the_answer_counts_the_rows_run_twice(make_engine):
     engine = make_engine(tiny_model("llama"))
-    options = RequestOptions(ratio=0.3, aux_share=0.5, max_new_tokens=2)
+    options = RequestOptions(ratio=0.3, aux_share=0.5, max_new_tokens=2, min_recompute_tokens=0)
     plan = engine.plan(QUESTION, CHUNKS, options)
     p = engine.prefill(plan, options)
     answer = engine.generate(QUESTION, CHUNKS, options)

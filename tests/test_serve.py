@@ -436,7 +436,8 @@ def test_usage_gives_the_ratio_a_request_ran_at_raised_for_a_subject_two_chunks_
         httpx.post(url + "/v1/ingest", json={"documents": mill}, timeout=120).raise_for_status()
         def ask(chunks, **ours):
             return client(url).chat.completions.create(
-                model="cacheclip", max_tokens=2, extra_body={"cacheclip": {"ratio": 0.2, **ours}}, messages=[
+                model="cacheclip", max_tokens=2, extra_body={"cacheclip": {"ratio": 0.2, "min_recompute_tokens": 0, **ours}},
+                messages=[
                     {"role": "system", "content": "Context:\n" + "\n\n".join(chunks)},
                     {"role": "user", "content": "Which boats did the Osterby mill own?"}]).usage.model_dump()["cacheclip"]
 

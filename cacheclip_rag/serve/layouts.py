@@ -65,6 +65,7 @@ def options_for(generation: Generation, defaults: Defaults) -> RequestOptions:
                               selection=generation.selection or defaults.selection,
                               aux_share=generation.aux_share or 0.0,
                               spread_ratio=generation.spread_ratio,
+                              min_recompute_tokens=generation.min_recompute_tokens,
                               max_new_tokens=generation.max_tokens or 256, temperature=generation.temperature,
                               top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
     except (TypeError, ValueError) as err:

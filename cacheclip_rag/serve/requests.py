@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SELECTIONS, SPREAD_RATIO
+from ..config import MIN_RECOMPUTE_TOKENS, SELECTIONS, SPREAD_RATIO
 
 
 class APIError(Exception):
@@ -41,11 +41,13 @@ class Generation:
     include_usage: bool
     documents: tuple[str, ...] | None  # explicit chunks (extra_body={"documents": [...]})
     cache_salt: str | None  # reuse only between requests of the same tenant with the same salt (as vLLM)
-    method: str | None  # extra_body={"cacheclip": {"method", "ratio", "selection", "aux_share", "spread_ratio"}}
+    # extra_body={"cacheclip": {"method", "ratio", "selection", "aux_share", "spread_ratio", "min_recompute_tokens"}}
+    method: str | None
     ratio: float | None
     selection: str | None = None  # "question" | "aux" when the request names one
     aux_share: float | None = None
     spread_ratio: float | None = SPREAD_RATIO  # null turns the spread budget off
+    min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS  # 0 turns the short-prompt floor off
 
 
 @dataclass(frozen=True)
@@ -192,11 +194,13 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
     selection, aux_share = _selection(ours)
     spread = None if "spread_ratio" in ours and ours["spread_ratio"] is None else _number(
         ours, "spread_ratio", SPREAD_RATIO, low=0.0, high=1.0)
+    floor = _integer(ours, "min_recompute_tokens", 0, 1 << 20)
     return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, low=0.0, high=2.0),
                       top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0), stop=_strings(body.get("stop"), "stop", 4),
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
                       documents=documents, cache_salt=salt, method=method, ratio=ratio, selection=selection,
-                      aux_share=aux_share, spread_ratio=spread)
+                      aux_share=aux_share, spread_ratio=spread,
+                      min_recompute_tokens=MIN_RECOMPUTE_TOKENS if floor is None else floor)
 
 
 def _selection(ours: dict) -> tuple[str | None, float | None]:

@@ -1,0 +1,214 @@
+"""Quality as deployed (issue 67): the families of `cacheclip_rag.evaluation.deployed`, ingested behind the
+engine's default system prompt and asked through the chat template (`Engine.plan`/`prefill`/`decode`, the
+path `Engine.generate`, the server and the frameworks take), on the default primary with the shipped
+request defaults. Per case:
+
+- `full` (the reference) and the default (`RequestOptions()`: cacheclip, ratio 0.2, the spread budget, the
+  short-prompt floor): greedy answer (strict score: every value, no other), time to first token, the ratio
+  it ran at, teacher-forced KL to `full` along full's answer;
+- `before`: the default without the short-prompt floor (`min_recompute_tokens=0`), the default before this
+  issue (short family only: elsewhere the floor is below 0.2 of the chunk tokens and the two are the same);
+- `shared_prefix` reuse: teacher-forced KL only (the KL goals are ratios to it);
+- diagnosis conditions over a fresh blended cache, each the base selection at 0.2 plus extra rows:
+  `facts_whole` (every row of the chunks holding the answer: knows where the facts are, not a method),
+  `attended_whole` (every row of each chunk whose share of the question's attention over the reused cache is
+  at least twice the mean), `ratio_0.5` (the base selection at 0.5);
+- signals: per chunk, the question's attention share over the reused cache (the default's own scoring pass),
+  the lexical spread flag, and the first-token KL between reuse alone and the base 0.2 recompute.
+
+Resumable: one JSON line per case in `--out`. Summaries with `--report`.
+
+    python bench/bench_deployed.py --family short --length 0 --cases 52 --out bench/results/deployed.jsonl
+    python bench/bench_deployed.py --family values --length 2048 --cases 52 --out bench/results/deployed.jsonl
+    python bench/bench_deployed.py --report bench/results/deployed.jsonl --json bench/results/quality_deployed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cacheclip_rag import blend  # noqa: E402
+from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, Case, case, strict_score  # noqa: E402
+from cacheclip_rag.evaluation.fidelity import first_token_kl, teacher_forced_fidelity  # noqa: E402
+from cacheclip_rag.evaluation.stats import paired_bootstrap_ci, ratio_of_means, wilson_interval  # noqa: E402
+from cacheclip_rag.request import Prefill, Timings  # noqa: E402
+from cacheclip_rag.selection import question_attention, question_scores  # noqa: E402
+from cacheclip_rag.spread import answer_spread  # noqa: E402
+
+MAX_NEW = 40
+ATTENDED = 2.0  # a chunk is attended when its share of the question's attention is at least this x the mean
+
+
+def decoded(engine: Engine, plan, prefill: Prefill, options: RequestOptions, started: float) -> tuple[str, list[int], float]:
+    stream = engine.decode(plan, prefill, options, started)
+    text = "".join(stream)
+    return text, list(stream.token_ids), stream.answer.timings.ttft_s
+
+
+def measured(engine: Engine, c: Case, options: RequestOptions, full_tokens: list[int] | None, full_rows) -> dict:
+    started = time.perf_counter()
+    plan = engine.plan(c.question, c.chunks, options)
+    prefill = engine.prefill(plan, options)
+    text, tokens, ttft = decoded(engine, plan, prefill, options, started)
+    row = {"output": text, "right": strict_score(text, c), "ttft_s": ttft, "ratio": prefill.ratio,
+           "recomputed": prefill.recomputed_rows, "chunk_tokens": plan.question_start - plan.prefix_len}
+    if full_tokens is not None:
+        row["tf_kl"] = teacher_forced_fidelity(full_rows, engine.teacher_forced_logits(plan, prefill, full_tokens),
+                                               full_tokens)[0]
+    return row | {"_plan": plan, "_prefill": prefill, "_tokens": tokens}
+
+
+def with_rows(engine: Engine, c: Case, plan, options: RequestOptions, extra) -> dict:
+    """The base selection at `options.ratio` over a fresh blended cache, plus `extra(plan, scores)` rows."""
+    parts = engine.parts
+    cache = blend.blended_cache(parts, plan, options, shared=True)
+    chosen = question_attention(parts, cache, plan, options)
+    rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
+    positions = blend.positions_of(plan, rows)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
+    prefill = Prefill(cache, logits, positions, Timings())
+    stream = engine.decode(plan, prefill, options)
+    text = "".join(stream)
+    return {"output": text, "right": strict_score(text, c), "recomputed": int(positions.numel()),
+            "_logits": logits}
+
+
+def evaluate(engine: Engine, c: Case) -> dict:
+    engine.ingest(c.chunks, progress=False)
+    default = RequestOptions(max_new_tokens=MAX_NEW)
+    full = measured(engine, c, replace(default, method="full"), None, None)
+    plan, full_tokens = full["_plan"], full["_tokens"]
+    full_rows = engine.teacher_forced_logits(plan, full["_prefill"], full_tokens)
+    rows = {"full": full, "default": measured(engine, c, default, full_tokens, full_rows)}
+    if c.family == "short":
+        rows["before"] = measured(engine, c, replace(default, min_recompute_tokens=0), full_tokens, full_rows)
+    reuse = engine.prefill(plan, replace(default, method="shared_prefix", ratio=0.0))
+    rows["shared_prefix"] = {"tf_kl": teacher_forced_fidelity(full_rows, engine.teacher_forced_logits(
+        plan, reuse, full_tokens), full_tokens)[0]}
+    # signals: the question's attention share per chunk over the reused cache (the default's scoring pass)
+    parts = engine.parts
+    base = replace(default, spread_ratio=None, min_recompute_tokens=0)
+    scores = question_scores(parts, blend.blended_cache(parts, plan, base, shared=True), plan, base)
+    shares = [float(scores[a:b].sum()) for a, b in plan.chunk_rows()]
+    signals = {"shares": shares, "spread": answer_spread(c.question, c.chunks).spread}
+    if c.family != "short":
+        n = len(plan.chunk_ids)
+        mean = sum(shares[1:]) / max(1, n - 1)
+        whole = lambda chunks: [torch.full((len(ids),), i in chunks, dtype=torch.bool)  # noqa: E731
+                                for i, ids in enumerate(plan.chunk_ids)]
+        attended = {i for i in range(1, n) if shares[i] >= ATTENDED * mean}
+        conditions = {"base_0.2": (base, None), "facts_whole": (base, whole(set(c.fact_chunks))),
+                      "attended_whole": (base, whole(attended)), "ratio_0.5": (replace(base, ratio=0.5), None)}
+        for name, (options, extra) in conditions.items():
+            rows[name] = with_rows(engine, c, plan, options, extra)
+        signals["attended"] = sorted(attended)
+        signals["reuse_vs_base_kl"] = first_token_kl(rows["base_0.2"].pop("_logits"), reuse.logits)
+        for name in conditions:
+            rows[name].pop("_logits", None)
+    for row in rows.values():
+        for key in ("_plan", "_prefill", "_tokens"):
+            row.pop(key, None)
+    return {"case": asdict(c) | {"chunks": len(c.chunks)}, "prompt_tokens": plan.length, "rows": rows, "signals": signals}
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            r = json.loads(line)["case"]
+            done.add((r["family"], r["words"], r["seed"]))
+    words = 0 if args.family == "short" else WORDS_FOR[args.length]
+    todo = [s for s in range(args.cases) if (args.family, words, s) not in done]
+    with tempfile.TemporaryDirectory() as store:
+        engine = Engine.from_config(EngineConfig(aux=None, store_path=store))
+        for seed in tqdm(todo, desc=f"{args.family} {args.length}"):
+            row = evaluate(engine, case(args.family, words, seed))
+            row["length"] = args.length
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _ci(e) -> dict:
+    return {"mean": round(e.mean, 4), "low": round(e.low, 4), "high": round(e.high, 4)}
+
+
+def report(path: Path) -> list[dict]:
+    """Per family and length: full's right answers, and per method the share of them it keeps (Wilson 95%),
+    teacher-forced KL as a share of reuse's (bootstrap 95%), escalations, median TTFT."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        by.setdefault((r["case"]["family"], r["length"]), []).append(r)
+    table = []
+    for (family, length), rs in sorted(by.items()):
+        solved = [r for r in rs if r["rows"]["full"]["right"]]
+        methods = [m for m in rs[0]["rows"] if m not in ("full", "shared_prefix")]
+        for m in methods:
+            kept = sum(r["rows"][m]["right"] for r in solved)
+            row = {"family": family, "length": length, "format": "deployed", "method": m, "cases": len(rs),
+                   "full_right": len(solved), "n": len(solved), "kept": kept,
+                   "strict_retention": _ci(wilson_interval(kept, len(solved))) if solved else None,
+                   "recomputed_share": sum(r["rows"][m]["recomputed"] / max(1, r["rows"]["default"]["chunk_tokens"])
+                                           for r in rs) / len(rs)}
+            if "tf_kl" in rs[0]["rows"][m]:
+                row["tf_kl_share_of_reuse"] = ratio_of_means([(r["rows"][m]["tf_kl"], r["rows"]["shared_prefix"]["tf_kl"])
+                                                              for r in rs])
+            if "ttft_s" in rs[0]["rows"][m]:
+                ttft = sorted(r["rows"][m]["ttft_s"] for r in rs)
+                full_ttft = sorted(r["rows"]["full"]["ttft_s"] for r in rs)
+                row["median_ttft_s"], row["full_median_ttft_s"] = ttft[len(ttft) // 2], full_ttft[len(ttft) // 2]
+                row["escalated"] = sum((r["rows"][m]["ratio"] or 0) > 0.2 + 1e-9 for r in rs) / len(rs)
+            if m != "default" and solved:
+                d = paired_bootstrap_ci([float(r["rows"][m]["right"]) for r in solved],
+                                        [float(r["rows"]["default"]["right"]) for r in solved])
+                row["vs_default"] = _ci(d)
+            table.append(row)
+    return table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES)
+    parser.add_argument("--length", type=int, default=2048, choices=(0, *WORDS_FOR))
+    parser.add_argument("--cases", type=int, default=52)
+    parser.add_argument("--out", default="bench/results/deployed.jsonl")
+    parser.add_argument("--report")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.report:
+        table = report(Path(args.report))
+        for row in table:
+            ret = row["strict_retention"]
+            print(f"{row['family']:8} {row['length']:5} {row['method']:15} n={row['n']:3}/{row['cases']:3} "
+                  f"kept {row['kept']:3} {ret['mean'] if ret else float('nan'):.2f} "
+                  f"[{ret['low'] if ret else 0:.2f}, {ret['high'] if ret else 0:.2f}] "
+                  f"recomputed {row['recomputed_share']:.2f} "
+                  f"KL/reuse {row.get('tf_kl_share_of_reuse', {}).get('mean', float('nan')):.2f} "
+                  f"ttft {row.get('median_ttft_s', float('nan')):.2f}s (full {row.get('full_median_ttft_s', float('nan')):.2f}) "
+                  f"esc {row.get('escalated', float('nan')):.2f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1))
+        return 0
+    if args.family is None:
+        parser.error("--family is required to run")
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
