@@ -26,6 +26,10 @@ from tests.conftest import has_embedded_models  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# what each block of the README asks, and the answer it must print (the defaults included: the first example
+# once answered the ferry question with the lighthouse's year)
+RIGHT_ANSWERS = (("When does the ferry to Marrow Island leave?", "7:40"), ("When does the ferry leave?", "7:40"),
+                 ("When was the lighthouse built?", "1871"))
 
 
 def blocks(language: str) -> list[str]:
@@ -92,12 +96,15 @@ def test_every_readme_block_runs_as_written_on_the_embedded_models(tmp_path):
 
     bash = blocks("bash")
     cli, server = bash[1], bash[2]
-    for line in cli.strip().splitlines():
-        run(["bash", "-c", line])
+    outputs = [run(["bash", "-c", line]) for line in cli.strip().splitlines()]
+    assert "Lindqvist" in outputs[-1], outputs[-1]  # the query's answer: the present director
     python = blocks("python")
     for code in python:
         if "127.0.0.1:8321" not in code:
-            assert run([sys.executable, "-c", code]).strip()
+            out = run([sys.executable, "-c", code])
+            # each block's question has one right answer, which it must print with the defaults
+            right = next(value for asked, value in RIGHT_ANSWERS if asked in code)
+            assert right in out, (code[:200], out[-500:])
     start, ingest = server.strip().splitlines()
     serving = subprocess.Popen(["bash", "-c", start.split("#")[0].strip().rstrip("&")], cwd=tmp_path, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -11,7 +11,7 @@ from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.methods import short_prompt_budget
 from cacheclip_rag.serve.requests import APIError, generation
 from cacheclip_rag.testing import tiny_model
-from tests.conftest import CHUNKS, QUESTION, max_diff, prefill
+from tests.conftest import CHUNKS, QUESTION, has_embedded_models, max_diff, prefill
 
 TOL = 1e-4
 
@@ -87,3 +87,25 @@ def test_selection_masks_at_ratio_one_cover_every_chunk_but_the_first(make_engin
     expected = set(range(plan.chunk_offsets[1], plan.question_start))
     assert rows == expected and not rows & set(range(plan.prefix_len, plan.chunk_offsets[1]))
     assert torch.is_tensor(p.recomputed_positions)
+
+
+README_CHUNKS = ["The ferry to Marrow Island leaves at 7:40 every morning from the north pier.",
+                 "The lighthouse on Gull Point was built in 1871 and electrified in 1921."]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_embedded_models(), reason="embedded models not installed")
+def test_the_readme_example_answers_right_with_the_defaults_in_either_order(tmp_path):
+    """The README's first example on the default model: each question, each chunk order, the default options
+    answer as `full` does, and right (at ratio 0.2 alone the ferry question was answered '1871')."""
+    from cacheclip_rag import Engine, EngineConfig
+
+    engine = Engine.from_config(EngineConfig(aux=None, store_path=tmp_path / "store"))
+    for chunks in (README_CHUNKS, README_CHUNKS[::-1]):
+        engine.ingest(chunks, progress=False)
+        for question, right in (("When does the ferry to Marrow Island leave?", "7:40"),
+                                ("When was the lighthouse on Gull Point built?", "1871")):
+            answer = engine.generate(question, chunks, RequestOptions(max_new_tokens=12))
+            full = engine.generate(question, chunks, RequestOptions(method="full", max_new_tokens=12))
+            assert right in answer.text and answer.token_ids == full.token_ids, (question, chunks[0], answer.text)
+            assert answer.ratio == 1.0 and answer.reused_tokens > 0  # chunk 0 and the prefix still come from the store
