@@ -425,6 +425,29 @@ def test_ingest_over_http_makes_new_chunks_recognisable(engine):
     assert new in engine.store.texts()
 
 
+def test_a_completion_reads_its_question_after_the_chunks_as_the_chat_route_does(engine):
+    """/v1/completions without `documents`: the question the spread budget and the selection read is the text
+    after the last recognised chunk (once the prompt's last 500 characters, which held the tail of the last
+    chunk, so the spread budget never fired there: the chunks here are longer than that)."""
+    weather = " ".join(f"On day {d} the {w} wind came down the valley road." for d, w in
+                       zip(range(12), ("north", "cold", "wet", "dry", "warm", "soft") * 2))
+    mill = ["The Osterby mill owned the boat Heron in the dry spring. " + weather,
+            "The Osterby mill owned the boat Tern in the wet autumn. " + weather.replace("day", "night"),
+            "The bakery on the quay owned the boat Tern in the wet autumn. " + weather.replace("day", "week")]
+    with running(engine) as (url, _):
+        httpx.post(url + "/v1/ingest", json={"documents": mill}, timeout=120).raise_for_status()
+
+        def ratio(chunks):
+            reply = client(url).completions.create(
+                model="cacheclip", max_tokens=2, extra_body={"cacheclip": {"ratio": 0.2, "min_recompute_tokens": 0}},
+                prompt="Context:\n" + "\n\n".join(chunks) + "\nQuestion: Which boats did the Osterby mill own?\nAnswer:")
+            usage = reply.usage.model_dump()["cacheclip"]
+            assert usage["chunks_recognised"] == 2
+            return usage["ratio"]
+
+        assert ratio(mill[:2]) == 0.5 and ratio(mill[::2]) == 0.2
+
+
 def test_usage_gives_the_ratio_a_request_ran_at_raised_for_a_subject_two_chunks_hold(engine):
     """The spread budget (RequestOptions.spread_ratio): a question whose subject is in two of the pasted chunks
     runs at 0.5 and usage says so; the same question over chunks where one holds it runs at the ratio asked;

@@ -105,9 +105,12 @@ def _recognised(engine: Engine, index: Scope, prompt: str, *, question: str, opt
     if not matches:
         return Planned(None, prompt, options, chunks_recognised=0, recognise_s=recognise_s)
     found = layout(prompt, matches, question)
-    if messages:  # the question the aux scores against: the user's words, not the pasted chunks
-        found = replace(found, question=_question(messages, tuple(prompt[m.start : m.stop] for m in matches)))
-        options = selection_for(engine, found, options)
+    # the question the selection and the spread budget read: the user's words, not the pasted chunks (chat: the
+    # last user message without them; a completion: the text after the last chunk, where its question is)
+    asked = _question(messages, tuple(prompt[m.start : m.stop] for m in matches)) if messages else \
+        " ".join(found.tail.split())
+    found = replace(found, question=asked or question)
+    options = selection_for(engine, found, options)
     try:
         return Planned(plan_layout(engine.primary, found, options), None, options, chunks_recognised=len(matches),
                        recognise_s=recognise_s)
