@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cacheclip_rag.config import RequestOptions
+from cacheclip_rag.engine import Engine
 from cacheclip_rag.evaluation import report, ruler, runner
 from cacheclip_rag.evaluation.alignment import _spread, char_attention, compare
 from cacheclip_rag.evaluation.fidelity import (first_token_kl, greedy_agreement, sequence_log_likelihood,
@@ -653,3 +654,38 @@ def test_the_multichunk_family_puts_each_value_in_its_own_chunk_and_scores_stric
 
     profile = PROFILES["multichunk"]
     assert profile.tasks == ruler.MULTICHUNK_TASKS and profile.samples_at(2048) * len(profile.tasks) >= 52
+
+
+def test_the_deployed_format_asks_as_the_engine_does_and_a_folder_keeps_its_format(make_engine, tmp_path, monkeypatch):
+    """format="deployed": chunks ingested behind the engine's own system prompt and asked in its own layout, no
+    RULER preamble and no answer priming (what Engine.generate sends); the records say so; a run folder holds one
+    format, and a folder from before formats resumes as the RULER run it is."""
+    engine = make_engine(tiny_model("llama"))
+    profile = replace(runner.PROFILES["quick"], lengths=(160,), tasks=("single1",), samples=1, ratios=(0.5,),
+                      variants=("full", "cacheclip"), max_new_tokens=4)
+    sample = ruler.generate("single1", 160, 0, runner.token_counter(engine))
+    planned = []
+    plan = Engine.plan
+    monkeypatch.setattr(Engine, "plan", lambda self, q, texts, options: planned.append((self, options)) or plan(self, q, texts, options))
+    records = runner.evaluate_sample(engine, sample, profile, runner.token_counter(engine), format="deployed")
+    assert {r.format for r in records} == {"deployed"}
+    assert all(view is engine and options.answer_prefix == "" and options.prompt_stops for view, options in planned)
+    expected = engine.plan(sample.question, ruler.sample_chunks(sample, runner.token_counter(engine)), RequestOptions())
+    assert engine.primary.tokenizer.decode(list(expected.prefix_ids)).count(engine.config.system_prompt) == 1
+    planned.clear()
+    ruler_records = runner.evaluate_sample(engine, sample, profile, runner.token_counter(engine))
+    assert {r.format for r in ruler_records} == {"ruler"}
+    assert all(view is not engine and options.answer_prefix == sample.answer_prefix for view, options in planned)
+    with pytest.raises(ValueError, match="format"):
+        runner.evaluate_sample(engine, sample, profile, runner.token_counter(engine), format="raw")
+    out = tmp_path / "run"
+    runner.run(engine, profile, progress=False, out_dir=out, format="deployed")
+    with pytest.raises(ValueError, match="format"):
+        runner.run(engine, profile, progress=False, out_dir=out)  # a RULER run into a deployed folder
+    identity = json.loads((out / runner.RUN_FILE).read_text())
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / runner.RUN_FILE).write_text(json.dumps({k: v for k, v in identity.items() if k != "format"}))
+    runner.run(engine, profile, progress=False, out_dir=legacy)  # before formats: a RULER run, resumed
+    with pytest.raises(ValueError, match="format"):
+        runner.run(engine, profile, progress=False, out_dir=legacy, format="deployed")

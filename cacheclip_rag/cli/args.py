@@ -324,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--merge", action="append", metavar="DIR",
                           help="another run folder over the same samples (e.g. the power run for --profile sweep) "
                                "whose records join the report; repeatable")
+    evaluate.add_argument("--format", default="deployed", choices=("deployed", "ruler"),
+                          help="the prompts' layout: deployed (the engine's chat template, chunks behind its generic "
+                               "system prompt, as served) or ruler (RULER's raw layout, its task preamble as the prefix)")
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--out", default="eval-results", help="run folder: records.jsonl is appended as samples "
                           "finish, and a rerun resumes it")

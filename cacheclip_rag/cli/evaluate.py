@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         engine = Engine.from_config(config)
         limit = None if args.limit_minutes is None else args.limit_minutes * 60  # 0: one sample, not no limit
-        records = runner.run(engine, profile, seed=args.seed, out_dir=out, limit_s=limit)
+        records = runner.run(engine, profile, seed=args.seed, out_dir=out, limit_s=limit, format=args.format)
     if not records:
         print(f"no sample finished within the time limit; rerun the same command to resume {out}")
         return 0
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, device {config.device}",
         "models": f"primary {config.primary}, aux {config.aux}",
         "profile": f"{profile.name}: lengths {profile.lengths}, {len(profile.tasks)} tasks x {profile.samples} samples "
-                   f"per length, ratios {profile.ratios}, greedy, RULER wording; decode budget per sample fits its "
+                   f"per length, ratios {profile.ratios}, greedy, RULER wording, {records[0].format} layout; decode budget per sample fits its "
                    f"references (+8 tokens), ending once every reference is out",
         "samples done": f"{len({(r.task, r.length, r.seed) for r in records})} of {len(runner.jobs_of(profile, args.seed))}",
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Diagnostics, RequestOptions
+from ..config import MIN_RECOMPUTE_TOKENS, Diagnostics, RequestOptions
 from . import ruler
 
 
@@ -28,6 +28,9 @@ class Variant:
     selection: str = "aux"
     aux_share: float = 0.0
     spread_ratio: float | None = None  # RequestOptions.spread_ratio (the shipped default: 0.5, `cacheclip_spread`)
+    # RequestOptions.min_recompute_tokens: 0, the ratio alone (variants measure what a ratio does); the shipped
+    # default's floor in `cacheclip_spread`
+    min_recompute_tokens: int = 0
 
     @property
     def uses_ratio(self) -> bool:
@@ -42,7 +45,8 @@ class Variant:
                                   exact_budget=self.exact_budget, boundary_tokens=self.boundary_tokens,
                                   recompute_layers=self.recompute_layers)
         return RequestOptions(method=self.method, ratio=ratio if ratio is not None else 0.0, selection=self.selection,
-                              aux_share=self.aux_share, spread_ratio=self.spread_ratio, diagnostics=diagnostics,
+                              aux_share=self.aux_share, spread_ratio=self.spread_ratio,
+                              min_recompute_tokens=self.min_recompute_tokens, diagnostics=diagnostics,
                               **ape, **request)
 
 
@@ -74,8 +78,9 @@ VARIANTS = {
         Variant("cacheclip_requery", "cacheclip", selection="question"),
         Variant("cacheclip_requery_half", "cacheclip", selection="question", aux_share=0.5),
         # the default as shipped since issue 54: the question's selection, and ratio 0.5 for a question whose
-        # subject several chunks hold (`spread.answer_spread`)
-        Variant("cacheclip_spread", "cacheclip", selection="question", spread_ratio=0.5),
+        # subject several chunks hold (`spread.answer_spread`); since issue 67 at least 256 chunk tokens
+        Variant("cacheclip_spread", "cacheclip", selection="question", spread_ratio=0.5,
+                min_recompute_tokens=MIN_RECOMPUTE_TOKENS),
     )
 }
 

@@ -37,6 +37,9 @@ class Record:
     ttft_s: float
     output: str
     references: tuple[str, ...]
+    # "ruler": RULER's raw layout, its task preamble as the shared prefix; "deployed": the engine's own layout (its
+    # chat template, chunks ingested behind its generic system prompt), as Engine.generate and the server ask
+    format: str = "ruler"
 
 
 def token_counter(engine: Engine) -> Callable[[str], int]:

@@ -8,7 +8,10 @@ the same stored caches, and from each one prefill come
 - teacher-forced fidelity along `full`'s answer: mean per-step KL(full || method) and top-1
   agreement, plus first-token KL;
 - the log-likelihood of the gold answer, and its difference to `full`'s.
-Prompts use RULER's own wording and raw layout (see `ruler`).
+Prompts use RULER's own wording; the layout is RULER's raw one with its task preamble as the shared prefix
+(`format="ruler"`), or the deployed one (`format="deployed"`): the engine's chat template, the chunks ingested
+behind its generic system prompt before any question, no answer priming, as `Engine.generate`, the server
+and the frameworks ask. A preamble that says what will be asked primes every chunk's cache and flatters reuse.
 
 A run is resumable: each finished sample's records are appended as one JSON line to
 `records.jsonl` in the run's folder, and a rerun skips the samples found there.
@@ -79,17 +82,25 @@ def _answer_until_complete(engine: Engine, plan, prefill, options: RequestOption
 Prepare = Callable[[Engine, ruler.Sample, list[str]], None]
 
 
+FORMATS = ("deployed", "ruler")
+
+
 def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, count: Callable[[str], int],
-                    prepare: Prepare | None = None) -> list[Record]:
+                    prepare: Prepare | None = None, format: str = "ruler") -> list[Record]:
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     chunks = ruler.sample_chunks(sample, count)
     gold = engine.primary.encode(gold_answer(sample))
-    engine = ruler_engine(engine, sample)  # a view in RULER's layout; the caller's engine is untouched
+    if format == "ruler":
+        engine = ruler_engine(engine, sample)  # a view in RULER's layout; the caller's engine is untouched
     if prepare is not None:
         prepare(engine, sample, chunks)
     engine.ingest(chunks, progress=False, direct="direct" in profile.variants)
     budget = max(profile.max_new_tokens, decode_budget(engine, sample), len(gold))
-    # RULER decodes to its budget: no prompt-format stop string ends an answer early
-    base = dict(max_new_tokens=budget, answer_prefix=sample.answer_prefix, prompt_stops=False)
+    # RULER decodes to its budget, primed with its answer prefix: no prompt-format stop string ends an answer
+    # early; deployed, an answer ends as the engine's do
+    base = (dict(max_new_tokens=budget, answer_prefix=sample.answer_prefix, prompt_stops=False) if format == "ruler"
+            else dict(max_new_tokens=budget))
 
     def measure(variant: Variant, ratio: float | None):
         options = variant.options(ratio, **base)
@@ -123,7 +134,7 @@ def evaluate_sample(engine: Engine, sample: ruler.Sample, profile: Profile, coun
                 tf_kl=tf_kl, tf_top1=tf_top1, gold_ll=gold_ll, gold_ll_delta=gold_ll - full_gold,
                 recomputed_share=1.0 if name == "full" else recomputed / max(1, chunk_tokens),
                 load_s=timings.load_s, select_s=timings.select_s, recompute_s=timings.recompute_s,
-                ttft_s=timings.ttft_s, output=text, references=sample.references,
+                ttft_s=timings.ttft_s, output=text, references=sample.references, format=format,
             ))
     return records
 
@@ -200,10 +211,14 @@ def _run_identity(engine: Engine, profile: Profile, seed: int) -> dict:
             "aux": engine.aux.name if engine.aux else None}
 
 
+BEFORE_FORMATS = {"format": "ruler"}
+
+
 def _check_run(out_dir: Path, identity: dict) -> None:
     path = out_dir / RUN_FILE
     if path.exists():
         stored = json.loads(path.read_text())
+        stored = {**BEFORE_FORMATS, **stored}  # a folder from before formats holds a RULER run
         differ = sorted(k for k in identity if stored.get(k) != json.loads(json.dumps(identity[k])))
         if differ:
             raise ValueError(f"{out_dir} holds a run with other {', '.join(differ)}; resume it with the same "
@@ -221,12 +236,15 @@ def jobs_of(profile: Profile, seed: int = 0) -> list[tuple[str, int, int]]:
 
 
 def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, out_dir: Path | None = None,
-        limit_s: float | None = None, prepare: Prepare | None = None, identity: dict | None = None) -> list[Record]:
+        limit_s: float | None = None, prepare: Prepare | None = None, identity: dict | None = None,
+        format: str = "ruler") -> list[Record]:
     """Every task x length x sample of `profile`, each answered by every variant and ratio. With
     `out_dir`, finished samples are appended there as they finish and a rerun resumes; `limit_s` stops
     starting new samples after that many seconds (at least one runs; the run is resumed later).
     `prepare` runs before each sample's ingest (see `Prepare`); `identity` names what it does, so a folder
-    holds one kind of run."""
+    holds one kind of run. `format`: the prompts' layout (`FORMATS`, see the module)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     unknown = [v for v in profile.variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
@@ -239,7 +257,7 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
         raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(ruler.SPECS)}")
     done: dict[tuple[str, int, int], list[Record]] = {}
     if out_dir is not None:
-        _check_run(out_dir, {**_run_identity(engine, profile, seed), **(identity or {})})
+        _check_run(out_dir, {**_run_identity(engine, profile, seed), "format": format, **(identity or {})})
         done = load_records(out_dir, repair=True)
     count = token_counter(engine)
     jobs = jobs_of(profile, seed)
@@ -255,7 +273,7 @@ def run(engine: Engine, profile: Profile, seed: int = 0, progress: bool = True, 
             ran += 1
             task, length, sample_seed = job
             sample = ruler.generate(task, length, sample_seed, count)
-            done[job] = evaluate_sample(engine, sample, profile, count, prepare)
+            done[job] = evaluate_sample(engine, sample, profile, count, prepare, format)
             if out_dir is not None:
                 with open(out_dir / RECORDS_FILE, "a") as f:
                     f.write(json.dumps([asdict(r) for r in done[job]]) + "\n")
