@@ -87,7 +87,10 @@ def with_rows(engine: Engine, c: Case, plan, options: RequestOptions, extra) -> 
             "_logits": logits}
 
 
-def evaluate(engine: Engine, c: Case) -> dict:
+CONDITIONS = ("base_0.2", "facts_whole", "attended_whole", "ratio_0.5")
+
+
+def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) -> dict:
     engine.ingest(c.chunks, progress=False)
     default = RequestOptions(max_new_tokens=MAX_NEW)
     full = measured(engine, c, replace(default, method="full"), None, None)
@@ -111,12 +114,13 @@ def evaluate(engine: Engine, c: Case) -> dict:
         whole = lambda chunks: [torch.full((len(ids),), i in chunks, dtype=torch.bool)  # noqa: E731
                                 for i, ids in enumerate(plan.chunk_ids)]
         attended = {i for i in range(1, n) if shares[i] >= ATTENDED * mean}
-        conditions = {"base_0.2": (base, None), "facts_whole": (base, whole(set(c.fact_chunks))),
-                      "attended_whole": (base, whole(attended)), "ratio_0.5": (replace(base, ratio=0.5), None)}
-        for name, (options, extra) in conditions.items():
-            rows[name] = with_rows(engine, c, plan, options, extra)
+        runs = {"base_0.2": (base, None), "facts_whole": (base, whole(set(c.fact_chunks))),
+                "attended_whole": (base, whole(attended)), "ratio_0.5": (replace(base, ratio=0.5), None)}
+        for name in conditions:
+            rows[name] = with_rows(engine, c, plan, *runs[name])
         signals["attended"] = sorted(attended)
-        signals["reuse_vs_base_kl"] = first_token_kl(rows["base_0.2"].pop("_logits"), reuse.logits)
+        if "base_0.2" in rows:
+            signals["reuse_vs_base_kl"] = first_token_kl(rows["base_0.2"].pop("_logits"), reuse.logits)
         for name in conditions:
             rows[name].pop("_logits", None)
     for row in rows.values():
@@ -131,14 +135,14 @@ def run(args: argparse.Namespace) -> None:
     if out.exists():
         for line in out.read_text().splitlines():
             r = json.loads(line)["case"]
-            done.add((r["family"], r["words"], r["seed"]))
+            done.add((r["family"], r["words"], r["seed"], json.loads(line).get("primary", EngineConfig().primary)))
     words = 0 if args.family == "short" else WORDS_FOR[args.length]
-    todo = [s for s in range(args.cases) if (args.family, words, s) not in done]
+    todo = [s for s in range(args.cases) if (args.family, words, s, args.primary) not in done]
     with tempfile.TemporaryDirectory() as store:
-        engine = Engine.from_config(EngineConfig(aux=None, store_path=store))
+        engine = Engine.from_config(EngineConfig(primary=args.primary, aux=None, store_path=store))
         for seed in tqdm(todo, desc=f"{args.family} {args.length}"):
-            row = evaluate(engine, case(args.family, words, seed))
-            row["length"] = args.length
+            row = evaluate(engine, case(args.family, words, seed), tuple(args.conditions.split(",")))
+            row["length"], row["primary"] = args.length, args.primary
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -153,14 +157,14 @@ def report(path: Path) -> list[dict]:
     by: dict[tuple[str, int], list[dict]] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        by.setdefault((r["case"]["family"], r["length"]), []).append(r)
+        by.setdefault((r["case"]["family"], r["length"], r.get("primary", EngineConfig().primary)), []).append(r)
     table = []
-    for (family, length), rs in sorted(by.items()):
+    for (family, length, primary), rs in sorted(by.items()):
         solved = [r for r in rs if r["rows"]["full"]["right"]]
         methods = [m for m in rs[0]["rows"] if m not in ("full", "shared_prefix")]
         for m in methods:
             kept = sum(r["rows"][m]["right"] for r in solved)
-            row = {"family": family, "length": length, "format": "deployed", "method": m, "cases": len(rs),
+            row = {"family": family, "length": length, "primary": primary, "format": "deployed", "method": m, "cases": len(rs),
                    "full_right": len(solved), "n": len(solved), "kept": kept,
                    "strict_retention": _ci(wilson_interval(kept, len(solved))) if solved else None,
                    "recomputed_share": sum(r["rows"][m]["recomputed"] / max(1, r["rows"]["default"]["chunk_tokens"])
@@ -172,6 +176,8 @@ def report(path: Path) -> list[dict]:
                 ttft = sorted(r["rows"][m]["ttft_s"] for r in rs)
                 full_ttft = sorted(r["rows"]["full"]["ttft_s"] for r in rs)
                 row["median_ttft_s"], row["full_median_ttft_s"] = ttft[len(ttft) // 2], full_ttft[len(ttft) // 2]
+                row["ttft_minus_full_s"] = _ci(paired_bootstrap_ci([r["rows"][m]["ttft_s"] for r in rs],
+                                                                   [r["rows"]["full"]["ttft_s"] for r in rs]))
                 row["escalated"] = sum((r["rows"][m]["ratio"] or 0) > 0.2 + 1e-9 for r in rs) / len(rs)
             if m != "default" and solved:
                 d = paired_bootstrap_ci([float(r["rows"][m]["right"]) for r in solved],
@@ -181,11 +187,36 @@ def report(path: Path) -> list[dict]:
     return table
 
 
+def signals(path: Path) -> list[dict]:
+    """How well each signal tells the requests the larger budget helps (ratio 0.5 right where the base 0.2
+    selection is wrong, full right) from the rest, per family: the share each flags among both groups."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "ratio_0.5" in r["rows"] and "base_0.2" in r["rows"]:
+            by.setdefault((r["case"]["family"], r["length"], r.get("primary", EngineConfig().primary)), []).append(r)
+    tests = {"spread (lexical)": lambda r: r["signals"]["spread"],
+             **{f"KL(reuse, base) > {t}": (lambda t: lambda r: r["signals"]["reuse_vs_base_kl"] > t)(t)
+                for t in (0.05, 0.1, 0.2, 0.5)},
+             }
+    table = []
+    for (family, length, primary), rs in sorted(by.items()):
+        helps = [r for r in rs if r["rows"]["full"]["right"] and r["rows"]["ratio_0.5"]["right"]
+                 and not r["rows"]["base_0.2"]["right"]]
+        rest = [r for r in rs if r not in helps]
+        for name, test in tests.items():
+            table.append({"family": family, "length": length, "primary": primary, "signal": name, "helped": len(helps), "rest": len(rest),
+                          "flags_helped": sum(map(test, helps)), "flags_rest": sum(map(test, rest))})
+    return table
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES)
     parser.add_argument("--length", type=int, default=2048, choices=(0, *WORDS_FOR))
     parser.add_argument("--cases", type=int, default=52)
+    parser.add_argument("--primary", default=EngineConfig().primary)
+    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first)")
     parser.add_argument("--out", default="bench/results/deployed.jsonl")
     parser.add_argument("--report")
     parser.add_argument("--json")
@@ -194,15 +225,19 @@ def main() -> int:
         table = report(Path(args.report))
         for row in table:
             ret = row["strict_retention"]
-            print(f"{row['family']:8} {row['length']:5} {row['method']:15} n={row['n']:3}/{row['cases']:3} "
+            print(f"{row['family']:8} {row['length']:5} {row['primary'][-4:]} {row['method']:15} n={row['n']:3}/{row['cases']:3} "
                   f"kept {row['kept']:3} {ret['mean'] if ret else float('nan'):.2f} "
                   f"[{ret['low'] if ret else 0:.2f}, {ret['high'] if ret else 0:.2f}] "
                   f"recomputed {row['recomputed_share']:.2f} "
                   f"KL/reuse {row.get('tf_kl_share_of_reuse', {}).get('mean', float('nan')):.2f} "
                   f"ttft {row.get('median_ttft_s', float('nan')):.2f}s (full {row.get('full_median_ttft_s', float('nan')):.2f}) "
                   f"esc {row.get('escalated', float('nan')):.2f}")
+        found = signals(Path(args.report))
+        for row in found:
+            print(f"{row['family']:8} {row['length']:5} {row['primary'][-4:]} {row['signal']:22} flags {row['flags_helped']}/{row['helped']} "
+                  f"where 0.5 helps, {row['flags_rest']}/{row['rest']} elsewhere")
         if args.json:
-            Path(args.json).write_text(json.dumps(table, indent=1))
+            Path(args.json).write_text(json.dumps({"rows": table, "signals": found}, indent=1))
         return 0
     if args.family is None:
         parser.error("--family is required to run")
