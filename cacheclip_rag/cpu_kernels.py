@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -56,6 +57,13 @@ def _why_not() -> str | None:
     return None
 
 
+def _could_run() -> bool:
+    """Whether this CPU could run the kernels and they were not switched off: where not using them loses
+    their speed-up."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return os.environ.get("CACHECLIP_CPU_KERNELS", "1") != "0" and probe is not None and bool(probe())
+
+
 def _put_ninja_on_path() -> None:
     """torch's builder runs `ninja` from PATH; the `ninja` package's binary sits in the environment's bin/,
     which is not on PATH when the interpreter is run by its full path."""
@@ -68,8 +76,44 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
+NAME = "cacheclip_cpu_kernels"
+# torch's builder serialises builds with a lock file in the build folder and waits for it without end; a build
+# killed mid-way leaves it behind (the server then hung at model load, logging nothing). A build takes ~10-60 s
+# here: a lock older than STALE_LOCK_S is a dead build's, and is removed; a younger one is waited for until it
+# goes or turns stale, at most LOCK_WAIT_S, after which the kernels are not used.
+STALE_LOCK_S = 300.0
+LOCK_WAIT_S = 330.0
+
+
+def _build_lock(name: str = NAME) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False)) / "lock"
+
+
+def lock_cleared(lock: Path, *, stale_s: float = STALE_LOCK_S, wait_s: float = LOCK_WAIT_S,
+                 poll_s: float = 1.0) -> bool:
+    """Whether the build folder's `lock` is gone, or was a dead build's (older than `stale_s`, removed
+    here); waits at most `wait_s` for a live build's lock to go."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return True
+        if age > stale_s:
+            log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+
+
 def available() -> bool:
-    """Whether the kernels are built and loaded (building them on the first call); logs why not, once."""
+    """Whether the kernels are built and loaded (building them on the first call); logs why not, once: at
+    WARNING where the CPU could run them (the speed-up is lost), at INFO where it cannot or they were
+    switched off."""
     if "ok" in _state:
         return bool(_state["ok"])
     with _lock:
@@ -80,13 +124,17 @@ def available() -> bool:
                     from torch.utils.cpp_extension import load
 
                     _put_ninja_on_path()
-
-                    load(name="cacheclip_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                         is_python_module=False, verbose=False)
+                    lock = _build_lock()
+                    if not lock_cleared(lock):
+                        reason = f"another process has been building them for over {LOCK_WAIT_S:.0f} s ({lock})"
+                    else:
+                        load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False,
+                             verbose=False)
                 except Exception as error:  # noqa: BLE001 - any build failure leaves torch's paths in use
                     reason = f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
             if reason is not None:
-                log.info("CPU kernels not used (%s); attention and one-row products run on torch's paths", reason)
+                log.log(logging.WARNING if _could_run() else logging.INFO,
+                        "CPU kernels not used (%s); attention and one-row products run on torch's paths", reason)
             _state["ok"], _state["reason"] = reason is None, reason
     return bool(_state["ok"])
 
@@ -101,10 +149,11 @@ def set_enabled(on: bool) -> None:
     _state["enabled"] = bool(on)
 
 
-def packed_gemv(x: torch.Tensor, weight_address: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """[M, out] bf16 = x [M, in] (bf16, contiguous, even width) times the oneDNN-packed weight at
-    `weight_address` (see `packed_linear.PackedLinear`), plus `bias`."""
-    return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, out_features, bias)
+def packed_gemv(x: torch.Tensor, weight_address: int, in_features: int, out_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """[M, out] bf16 = x [M, in] (bf16, contiguous, even width `in_features`, which x must have) times the
+    oneDNN-packed weight at `weight_address` (see `packed_linear.PackedLinear`), plus `bias`; M may be 0."""
+    return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, in_features, out_features, bias)
 
 
 def _over_a_bf16_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

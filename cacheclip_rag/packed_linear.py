@@ -80,7 +80,8 @@ class PackedLinear(nn.Module):
         generator = torch.Generator().manual_seed(self.in_features * 7919 + self.out_features)
         x = torch.randn(1, self.in_features, generator=generator).to(torch.bfloat16)
         with torch.no_grad():
-            ours = cpu_kernels.packed_gemv(x, address, self.out_features, self._bias_for_kernel()).float()
+            ours = cpu_kernels.packed_gemv(x, address, self.in_features, self.out_features,
+                                           self._bias_for_kernel()).float()
             theirs = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "").float()
         close = (ours - theirs).abs().max() <= 2e-2 * theirs.abs().max().clamp_min(1e-6)
         return address if bool(close) else None
@@ -102,7 +103,7 @@ class PackedLinear(nn.Module):
                 and cpu_kernels.enabled()):
             rows = x.reshape(-1, self.in_features)  # a decode step's few rows: the memory-speed kernel
             out = cpu_kernels.packed_gemv(rows if rows.is_contiguous() else rows.contiguous(), self.gemv_address,
-                                          self.out_features, self._bias_for_kernel())
+                                          self.in_features, self.out_features, self._bias_for_kernel())
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

@@ -5,6 +5,7 @@ and `available()` must say why."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,130 @@ def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch)
     assert attention.cpu_kernels is cpu_kernels
     for a, b in zip(on, off):
         assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()
+
+
+# ---- inputs the kernels must refuse, or handle, without crashing or hanging (issue 70) -------------------------
+
+
+@needs_kernels
+def test_rows_at_or_past_the_last_key_see_the_keys_that_exist_and_no_padding():
+    """The last 16-key tile is padded with zero keys; a row at position >= N must not attend to them (each would
+    add exp(0 - max) of a zero value to its softmax)."""
+    torch.manual_seed(7)
+    keys, heads, kv_heads, dim = 37, 4, 2, 64
+    key = torch.randn(1, kv_heads, keys, dim).to(torch.bfloat16)
+    value = (torch.randn(1, kv_heads, keys, dim) + 3).to(torch.bfloat16)  # far from the padding's zeros
+    # one query in four rows (small scores: the padding's 0 would weigh)
+    query = (0.1 * torch.randn(1, heads, 1, dim)).expand(1, heads, 4, dim).contiguous().to(torch.bfloat16)
+    positions = torch.tensor([keys - 1, keys, keys + 5, keys + 40])
+    got = cpu_kernels.positioned_attention(query, positions, key, value, dim ** -0.5)
+    expected = _positioned_reference(query, positions.clamp(max=keys - 1), key, value, dim ** -0.5)
+    assert (got.double() - expected).abs().max() <= 0.02 * expected.abs().max()
+    assert torch.equal(got[0, 1:], got[0, :1].expand(3, -1, -1))  # every such row sees exactly the N keys
+
+
+REFUSALS = """
+import torch
+from cacheclip_rag import cpu_kernels
+assert cpu_kernels.available(), cpu_kernels._state
+bf = dict(dtype=torch.bfloat16)
+ops = torch.ops.cacheclip_cpu
+cases = {
+    "positioned, no kv heads": lambda: ops.positioned_attention(torch.zeros(4, 3, 64, **bf), torch.arange(3),
+                                                                torch.zeros(0, 8, 64, **bf), torch.zeros(0, 8, 64, **bf), 1.0),
+    "positioned, no heads": lambda: ops.positioned_attention(torch.zeros(0, 3, 64, **bf), torch.arange(3),
+                                                             torch.zeros(2, 8, 64, **bf), torch.zeros(2, 8, 64, **bf), 1.0),
+    "positioned, rank 1 query": lambda: ops.positioned_attention(torch.zeros(64, **bf), torch.arange(1),
+                                                                 torch.zeros(2, 8, 64, **bf), torch.zeros(2, 8, 64, **bf), 1.0),
+    "one row, no kv heads": lambda: ops.one_row_attention(torch.zeros(4, 64, **bf), torch.zeros(0, 8, 64, **bf),
+                                                          torch.zeros(0, 8, 64, **bf), 1.0),
+    "one row, no heads": lambda: ops.one_row_attention(torch.zeros(0, 64, **bf), torch.zeros(2, 8, 64, **bf),
+                                                       torch.zeros(2, 8, 64, **bf), 1.0),
+    "positioned, not on the CPU": lambda: ops.positioned_attention(
+        torch.zeros(4, 3, 64, device="meta", **bf), torch.arange(3, device="meta"),
+        torch.zeros(2, 8, 64, device="meta", **bf), torch.zeros(2, 8, 64, device="meta", **bf), 1.0),
+    "one row, not on the CPU": lambda: ops.one_row_attention(torch.zeros(4, 64, **bf),
+                                                             torch.zeros(2, 8, 64, device="meta", **bf),
+                                                             torch.zeros(2, 8, 64, device="meta", **bf), 1.0),
+    "gemv, not on the CPU": lambda: ops.packed_gemv(torch.zeros(1, 64, device="meta", **bf), 1, 64, 64, None),
+}
+for name, call in cases.items():
+    try:
+        call()
+        print(name, "| ran")
+    except RuntimeError as error:
+        print(name, "| refused:", str(error).splitlines()[0])
+"""
+
+
+@needs_kernels
+def test_bad_shapes_and_devices_are_refused_with_an_error_not_a_crash(tmp_path):
+    """A zero head count once reached `% kv_heads` (SIGFPE: the process died, no exception); a tensor on
+    another device was read as host memory. Run in a child: a crash there fails this test, not the suite."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", REFUSALS], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    lines = [line for line in done.stdout.splitlines() if "|" in line]
+    assert len(lines) == 8, done.stdout
+    for line in lines:
+        assert "| refused:" in line, line
+        if "not on the CPU" in line:
+            assert "CPU tensors" in line, line
+        else:
+            assert "shape" in line, line
+
+
+@needs_kernels
+def test_packed_gemv_refuses_the_wrong_width_and_takes_an_empty_batch():
+    linear = nn.Linear(96, 200).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.gemv_address is not None
+    with pytest.raises(RuntimeError, match="width 98 for a weight of width 96"):
+        cpu_kernels.packed_gemv(torch.zeros(1, 98, dtype=torch.bfloat16), packed.gemv_address, 96, 200, None)
+    empty = cpu_kernels.packed_gemv(torch.zeros(0, 96, dtype=torch.bfloat16), packed.gemv_address, 96, 200, None)
+    assert empty.shape == (0, 200)
+    assert packed(torch.zeros(1, 0, 96, dtype=torch.bfloat16)).shape == (1, 0, 200)  # as nn.Linear
+
+
+def test_a_dead_builds_lock_is_removed_and_a_live_ones_wait_is_bounded(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert cpu_kernels.lock_cleared(lock, wait_s=0.0)  # no lock
+    lock.touch()
+    old = time.time() - 2 * cpu_kernels.STALE_LOCK_S
+    os.utime(lock, (old, old))
+    assert cpu_kernels.lock_cleared(lock, wait_s=0.0) and not lock.exists()  # a dead build's: removed
+    lock.touch()  # a live build's
+    started = time.monotonic()
+    assert not cpu_kernels.lock_cleared(lock, wait_s=0.3, poll_s=0.05)
+    assert time.monotonic() - started < 5 and lock.exists()  # bounded, and left to its owner
+
+
+def test_a_lost_speed_up_is_logged_at_warning(monkeypatch, tmp_path, caplog):
+    """Where the CPU could run the kernels, not building them loses their speed-up: said at WARNING, once."""
+    from torch.utils import cpp_extension
+
+    saved = dict(cpu_kernels._state)
+    monkeypatch.setattr(cpu_kernels, "_why_not", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "_build_lock", lambda name=cpu_kernels.NAME: tmp_path / "lock")
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension 'cacheclip_cpu_kernels'")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    cpu_kernels._state.clear()
+    try:
+        with caplog.at_level("INFO", logger=cpu_kernels.__name__):
+            assert not cpu_kernels.available() and not cpu_kernels.available()
+        said = [r for r in caplog.records if "not used" in r.getMessage()]
+        assert len(said) == 1 and "the build failed" in said[0].getMessage()
+        assert said[0].levelname == ("WARNING" if cpu_kernels._could_run() else "INFO")
+    finally:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update(saved)

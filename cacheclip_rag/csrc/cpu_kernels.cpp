@@ -102,12 +102,21 @@ inline void block_product(const uint16_t* w, const uint32_t* xp, int64_t pairs, 
     for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + 16 * c, acc[r][c]);
 }
 
-at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t out_features,
+// x [M, in_features] bf16 times the weight oneDNN packed for [out_features, in_features] at weight_address; the
+// weight's width is given, not read from x: a wrong-width x is refused rather than read past the weight.
+at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t in_features, int64_t out_features,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous() &&
-              x.size(1) % 2 == 0, "packed_gemv takes contiguous bf16 rows of even width");
+  TORCH_CHECK(x.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
+              "packed_gemv takes CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "packed_gemv takes contiguous bf16 rows [M, in_features]");
+  TORCH_CHECK(in_features > 0 && in_features % 2 == 0 && out_features > 0 && weight_address != 0,
+              "packed_gemv: a packed weight of even width and at least one output");
+  TORCH_CHECK(x.size(1) == in_features, "packed_gemv: rows of width ", x.size(1), " for a weight of width ",
+              in_features);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
               bias->numel() == out_features), "packed_gemv: the bias must be bf16 [out_features]");
+  if (x.size(0) == 0) return at::empty({0, out_features}, x.options());  // as F.linear: no rows, no output
   const int64_t rows = x.size(0), pairs = x.size(1) / 2, blocks = (out_features + 63) / 64;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const uint16_t* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
@@ -217,11 +226,15 @@ void attend_range(const uint16_t* q, const uint16_t* keys, const uint16_t* value
 // query [H, D] bf16 contiguous; key/value [KV, N, D] bf16 with dense rows (the heads may be strided: a cache
 // slice); D one of 32, 64, 128. Returns [H, D] bf16.
 at::Tensor one_row_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scaling) {
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "one_row_attention takes CPU tensors");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
               value.scalar_type() == at::kBFloat16, "one_row_attention takes bf16 tensors");
   TORCH_CHECK(query.dim() == 2 && key.dim() == 3 && value.dim() == 3 && query.is_contiguous(), "bad shapes");
   const int64_t heads = query.size(0), dim = query.size(1), kv_heads = key.size(0), rows = key.size(1);
-  TORCH_CHECK((dim == 32 || dim == 64 || dim == 128) && heads % kv_heads == 0 && rows > 0, "unsupported shape");
+  // kv_heads first: a zero would divide by zero below (SIGFPE, no exception)
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && (dim == 32 || dim == 64 || dim == 128) && heads % kv_heads == 0 && rows > 0,
+              "unsupported shape: heads ", heads, ", kv heads ", kv_heads, ", width ", dim, ", keys ", rows);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == dim && value.stride(1) == dim &&
               value.size(0) == kv_heads && value.size(1) == rows && value.size(2) == dim && key.size(2) == dim,
               "keys and values need dense rows of the query's width");
@@ -378,12 +391,16 @@ void attend_block(const uint16_t* qrows /* [n_rows][D], each a (head,row) combo 
 // query [H, M, D]; positions [M] (key j visible to row i iff j <= positions[i]); key/value [KV, N, D] dense rows.
 at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& positions, const at::Tensor& key,
                                 const at::Tensor& value, double scaling) {
-  const int64_t H = query.size(0), M = query.size(1), D = query.size(2), KV = key.size(0), N = key.size(1);
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() && positions.device().is_cpu(),
+              "positioned_attention takes CPU tensors");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
               value.scalar_type() == at::kBFloat16 && positions.scalar_type() == at::kLong, "bf16 tensors, int64 positions");
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && query.is_contiguous() &&
-              positions.is_contiguous() && positions.numel() == M, "bad shapes");
-  TORCH_CHECK((D == 32 || D == 64 || D == 128) && H % KV == 0 && H / KV <= 32 && N > 0, "unsupported shape");
+              positions.is_contiguous() && positions.dim() == 1 && positions.numel() == query.size(1), "bad shapes");
+  const int64_t H = query.size(0), M = query.size(1), D = query.size(2), KV = key.size(0), N = key.size(1);
+  // KV first: a zero would divide by zero below (SIGFPE, no exception)
+  TORCH_CHECK(KV > 0 && H > 0 && (D == 32 || D == 64 || D == 128) && H % KV == 0 && H / KV <= 32 && N > 0,
+              "unsupported shape: heads ", H, ", kv heads ", KV, ", width ", D, ", keys ", N);
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key.stride(1) == D && value.stride(1) == D &&
               value.size(0) == KV && value.size(1) == N && key.size(2) == D && value.size(2) == D,
               "keys and values need dense rows of the query's width");
@@ -437,7 +454,8 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
         for (int64_t i = 0; i < rn; ++i) {
           const int64_t combo = g * rn + i;
           std::memcpy(&qrows[combo * D], qp + ((h * G + g) * M + i0 + i) * D, D * 2);
-          qpos[combo] = pos[i0 + i];
+          // keys past N do not exist: the last tile's zero padding must stay masked for a row at or past N
+          qpos[combo] = std::min<int64_t>(pos[i0 + i], N - 1);
           outs[combo] = op + ((i0 + i) * H + h * G + g) * D;
         }
       const uint32_t* keys_t = kt.data() + h * NT * P * 16;
@@ -453,7 +471,8 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
 }  // namespace
 
 TORCH_LIBRARY(cacheclip_cpu, m) {
-  m.def("packed_gemv(Tensor x, int weight_address, int out_features, Tensor? bias) -> Tensor", &packed_gemv);
+  m.def("packed_gemv(Tensor x, int weight_address, int in_features, int out_features, Tensor? bias) -> Tensor",
+        &packed_gemv);
   m.def("one_row_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor", &one_row_attention);
   m.def("positioned_attention(Tensor query, Tensor positions, Tensor key, Tensor value, float scaling) -> Tensor",
         &positioned_attention);
