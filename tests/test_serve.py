@@ -7,6 +7,7 @@ prefill; a client that disconnects frees its slot; a full queue gives 429; a wro
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -317,6 +318,34 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
             time.sleep(0.05)
         reply = client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=2)
         assert reply.choices[0].message.content is not None
+
+
+def test_the_queue_gauge_tells_the_truth_as_soon_as_dropped_streams_free_their_slots(engine):
+    """cacheclip_queue_depth once stayed at 1-3 for minutes after clients dropped their streams (set on events
+    a dropped stream never reached); it is read from the worker at each scrape."""
+
+    def depth(url: str) -> float:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return float(re.search(r"^cacheclip_queue_depth (\S+)$", text, re.M).group(1))
+
+    with running(engine, max_queue=4) as (url, server):
+        with httpx.Client(timeout=30) as http:
+            streams = [http.stream("POST", url + "/v1/chat/completions",
+                                   json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 1500,
+                                         "stream": True}) for _ in range(3)]
+            for stream in streams:
+                reply = stream.__enter__()
+                for line in reply.iter_lines():
+                    if line.startswith("data: ") and '"content"' in line:
+                        break  # one piece
+            assert depth(url) >= 1  # while they run
+            for stream in streams:
+                stream.__exit__(None, None, None)  # the clients go
+        deadline = time.monotonic() + 60
+        while server.worker.depth:
+            assert time.monotonic() < deadline, "the slots of disconnected clients were never freed"
+            time.sleep(0.05)
+        assert depth(url) == 0  # at once, not after a later request
 
 
 def test_a_full_queue_answers_429_with_retry_after(engine):

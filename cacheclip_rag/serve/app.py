@@ -82,6 +82,11 @@ class Server:
         self.tenants = Tenants(engine, settings.keys, settings.index_refresh_s)
         self.worker = Worker(settings.max_queue, settings.max_batch)
         self.metrics = Metrics()
+        # read from the worker at each scrape: true whatever ended a request (finished, cancelled, a client gone,
+        # timed out); a gauge set on events stayed at 1-3 for minutes after dropped streams
+        self.metrics.queue_depth.set_function(lambda: self.worker.depth)
+        self.metrics.batched_steps.set_function(lambda: self.worker.batched_steps)
+        self.metrics.batched_rows.set_function(lambda: self.worker.batched_requests)
         self.created = int(time.time())
         self.max_prompt_chars = settings.max_prompt_chars or 16 * engine.primary.max_context
 
@@ -178,7 +183,6 @@ class Server:
         except QueueFull as err:
             raise APIError(429, str(err), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(err.retry_after_s)}) from None
-        self.metrics.queue_depth.set(self.worker.depth)
 
         async def pieces() -> AsyncIterator[str]:
             try:
@@ -193,7 +197,6 @@ class Server:
                     raise job.error
             finally:
                 job.cancel()  # a closed stream (client gone) stops the decode
-                self.metrics.queue_depth.set(self.worker.depth)
 
         return job, pieces()
 
@@ -264,8 +267,6 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def metrics(request: Request) -> Response:
         if server.tenants.keys and not server.authorise(request).admin:
             raise APIError(403, "/metrics needs an admin key", code="forbidden")
-        server.metrics.batched_steps.set(server.worker.batched_steps)
-        server.metrics.batched_rows.set(server.worker.batched_requests)
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
