@@ -112,10 +112,20 @@ def fetch(lm: LoadedModel, store: KVStore, keys: list[bytes]) -> list[ChunkEntry
     return found
 
 
-def prefix_cache(lm: LoadedModel, store: KVStore, system_prompt: str | FormattedPrefix) -> PrefixCache:
-    """The shared prefix's KV, computed once per (model, prefix) and stored (served unstored when the
-    store is full)."""
+def prefix_ids(lm: LoadedModel, system_prompt: str | FormattedPrefix) -> list[int]:
+    """The shared prefix's token ids, refused (before any model work) where they leave no room in the context."""
     ids = lm.encode_prefix(prefix_text(lm, system_prompt))
+    if len(ids) >= lm.max_context:
+        raise ValueError(f"the shared prefix (system prompt) is {len(ids)} tokens: {lm.name}'s context of "
+                         f"{lm.max_context} tokens leaves no room for a chunk behind it")
+    return ids
+
+
+def prefix_cache(lm: LoadedModel, store: KVStore, system_prompt: str | FormattedPrefix,
+                 ids: Sequence[int] | None = None) -> PrefixCache:
+    """The shared prefix's KV (its token `ids`, given where already encoded), computed once per (model, prefix)
+    and stored (served unstored when the store is full)."""
+    ids = list(prefix_ids(lm, system_prompt) if ids is None else ids)
     key = entry_key(lm.fingerprint.digest, ids, "", PREFIX)
     entry = fetch(lm, store, [key])[0]
     if entry is not None and entry.token_ids != tuple(ids):
@@ -201,13 +211,16 @@ def precompute(
     validate_chunks(texts)
     if variant not in (SHARED, DIRECT):
         raise ValueError(f"variant must be {SHARED!r} or {DIRECT!r}, got {variant!r}")
-    prefix = prefix_cache(lm, store, system_prompt)
-    keys = [chunk_key(lm, prefix.token_ids, t, variant) for t in texts]
-    bare_keys = {k: chunk_key(lm, prefix.token_ids, t, variant, bare=True) for k, t in zip(keys, texts)} if bare else {}
+    ids = prefix_ids(lm, system_prompt)
+    keys = [chunk_key(lm, ids, t, variant) for t in texts]
+    bare_keys = {k: chunk_key(lm, ids, t, variant, bare=True) for k, t in zip(keys, texts)} if bare else {}
     todo = {k: chunk_unit(lm, t) for k, t in zip(keys, texts) if not store.contains(k)}
     todo.update({k: chunk_unit(lm, t) for k, t in zip(keys, texts) if k in bare_keys and not store.contains(bare_keys[k])})
     texts_of = dict(zip(keys, texts))
-    for batch, entries in _computed(lm, prefix, list(todo.items()), variant=variant, batch_size=batch_size,
+    # every size is checked before any model work: the prefix above, each chunk behind it here
+    encoded = _encode_units(lm, list(todo.values()), len(ids) if variant == SHARED else 0)
+    prefix = prefix_cache(lm, store, system_prompt, ids)
+    for batch, entries in _computed(lm, prefix, list(todo.items()), encoded, variant=variant, batch_size=batch_size,
                                     store_dtype=store_dtype, progress=progress):
         items = [(k, lm.fingerprint.digest, e) for (k, _), e in zip(batch, entries)]
         items += [(bare_keys[k], lm.fingerprint.digest, cut) for (k, _), e in zip(batch, entries) if k in bare_keys
@@ -226,11 +239,14 @@ def without_separator(lm: LoadedModel, text: str, entry: ChunkEntry) -> ChunkEnt
                    token_ids=tuple(ids), offsets=tuple(offsets))
 
 
-def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], *, variant: str, batch_size: int,
-              store_dtype: torch.dtype | None, progress: bool) -> Iterator[tuple[list[tuple[bytes, str]], list[ChunkEntry]]]:
-    """(batch of (key, unit), their entries in the storage dtype), a batch at a time."""
+def _computed(lm: LoadedModel, prefix: PrefixCache, todo: list[tuple[bytes, str]], encoded: list[Encoded] | None = None,
+              *, variant: str, batch_size: int, store_dtype: torch.dtype | None,
+              progress: bool) -> Iterator[tuple[list[tuple[bytes, str]], list[ChunkEntry]]]:
+    """(batch of (key, unit), their entries in the storage dtype), a batch at a time; `encoded`: the units'
+    tokens, where already encoded (and checked)."""
     behind = prefix if variant == SHARED else None
-    encoded = _encode_units(lm, [u for _, u in todo], len(behind.token_ids) if behind else 0)
+    if encoded is None:
+        encoded = _encode_units(lm, [u for _, u in todo], len(behind.token_ids) if behind else 0)
     bar = tqdm(total=len(todo), desc=f"precompute {lm.name} ({variant})", unit="chunk", disable=not progress)
     for i in range(0, len(todo), batch_size):
         batch = todo[i : i + batch_size]

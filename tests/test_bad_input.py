@@ -74,3 +74,21 @@ def test_the_papers_selection_without_aux_is_a_clear_error_and_the_default_needs
             engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", **selection))
     answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2))
     assert answer.recomputed_tokens > 0  # the default selection (the question's attention) needs no aux
+
+
+def test_an_ingest_that_cannot_fit_is_refused_before_any_model_work(make_engine, monkeypatch):
+    """A system prompt that fills the context, or a chunk that cannot fit behind it, is refused from the token
+    counts alone: no forward runs and nothing is stored (the server once computed the prefix first, 3.4 s for a
+    system text at its size limit, before refusing)."""
+    lm = tiny_model("llama")  # context 2048
+    engine = make_engine(lm)
+    calls = []
+    forward = type(lm.model).forward
+    monkeypatch.setattr(type(lm.model), "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    with pytest.raises(ValueError, match="shared prefix .* tokens: .* context of 2048 tokens leaves no room"):
+        engine.ingest(CHUNKS, progress=False, system_prompt="why? " * 3000)
+    with pytest.raises(ValueError, match="chunk 1 of .* tokens behind a prefix of .* exceeds"):
+        engine.ingest([CHUNKS[0], "why? " * 3000], progress=False)
+    assert not calls and not list(engine.store.keys())
+    engine.ingest(CHUNKS[:1], progress=False)  # what fits still goes in
+    assert calls and list(engine.store.keys())

@@ -322,25 +322,36 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(engine):
 
 def test_the_queue_gauge_tells_the_truth_as_soon_as_dropped_streams_free_their_slots(engine):
     """cacheclip_queue_depth once stayed at 1-3 for minutes after clients dropped their streams (set on events
-    a dropped stream never reached); it is read from the worker at each scrape."""
+    a dropped stream never reached); it is read from the worker at each scrape. The worker is held by a job
+    the test releases, so the streams wait in the queue while their clients go."""
+    release, entered = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(30)
+        raise RuntimeError("released")
 
     def depth(url: str) -> float:
         text = httpx.get(url + "/metrics", timeout=30).text
         return float(re.search(r"^cacheclip_queue_depth (\S+)$", text, re.M).group(1))
 
-    with running(engine, max_queue=4) as (url, server):
-        with httpx.Client(timeout=30) as http:
-            streams = [http.stream("POST", url + "/v1/chat/completions",
-                                   json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 1500,
-                                         "stream": True}) for _ in range(3)]
-            for stream in streams:
-                reply = stream.__enter__()
-                for line in reply.iter_lines():
-                    if line.startswith("data: ") and '"content"' in line:
-                        break  # one piece
-            assert depth(url) >= 1  # while they run
-            for stream in streams:
-                stream.__exit__(None, None, None)  # the clients go
+    loop = asyncio.new_event_loop()  # where the held job's (no) pieces would go; never run
+    with running(engine, max_queue=4) as (url, server), contextlib.closing(loop):
+        server.worker.submit(Job(hold, loop, 60))
+        assert entered.wait(30)
+        try:
+            assert depth(url) == 1
+            with httpx.Client(timeout=30) as http:
+                streams = [http.stream("POST", url + "/v1/chat/completions",
+                                       json={"model": "cacheclip", "messages": rag_messages(), "max_tokens": 8,
+                                             "stream": True}) for _ in range(2)]
+                for stream in streams:
+                    stream.__enter__()
+                assert depth(url) == 3  # queued behind the held job
+                for stream in streams:
+                    stream.__exit__(None, None, None)  # the clients go
+        finally:
+            release.set()
         deadline = time.monotonic() + 60
         while server.worker.depth:
             assert time.monotonic() < deadline, "the slots of disconnected clients were never freed"

@@ -293,7 +293,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             keys = await off_worker(scope.engine.ingest, documents, progress=False, system_prompt=head,
                                     bare=head is not None)
         except (TypeError, ValueError) as err:
-            raise APIError(400, str(err), "documents") from None
+            raise APIError(400, str(err), "system" if "shared prefix" in str(err) else "documents") from None
         added = server.tenants.index.add(tenant.name, documents)
         server.metrics.requests.labels("/v1/ingest", "200").inc()
         return {"object": "ingest", "documents": len(documents), "indexed": added, "keys": [k.hex() for k in keys]}
