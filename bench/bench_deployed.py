@@ -20,7 +20,8 @@ Resumable: one JSON line per case in `--out`. Summaries with `--report`.
 
     python bench/bench_deployed.py --family short --length 0 --cases 52 --out bench/results/deployed.jsonl
     python bench/bench_deployed.py --family values --length 2048 --cases 52 --out bench/results/deployed.jsonl
-    python bench/bench_deployed.py --report bench/results/deployed.jsonl --json bench/results/quality_deployed.json
+    python bench/bench_deployed.py --report bench/results/deployed.jsonl --json bench/results/quality_deployed.json \
+        --plot bench/results/quality_deployed.png
 """
 
 from __future__ import annotations
@@ -210,6 +211,41 @@ def signals(path: Path) -> list[dict]:
     return table
 
 
+def plot(table: list[dict], path: Path) -> None:
+    """Strict retention of full's right answers per family (and primary), one bar per method, 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["family"], r["length"], r["primary"]) for r in table if r["n"]})
+    methods = list(dict.fromkeys(r["method"] for r in table))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(groups), 3.6))
+    width = 0.8 / len(methods)
+    for m_i, method in enumerate(methods):
+        for g_i, group in enumerate(groups):
+            row = next((r for r in table if (r["family"], r["length"], r["primary"]) == group and r["method"] == method
+                        and r["n"]), None)
+            if row is None:
+                continue
+            ret = row["strict_retention"]
+            x = g_i + (m_i - (len(methods) - 1) / 2) * width
+            ax.bar(x, ret["mean"], width, color=f"C{m_i}", label=method)  # the legend keeps one of each
+            ax.errorbar(x, ret["mean"], yerr=[[ret["mean"] - ret["low"]], [ret["high"] - ret["mean"]]], color="black",
+                        capsize=2, linewidth=0.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{f}\n{ln or 'short'} {p[-4:]}\nn={next(r['n'] for r in table if (r['family'], r['length'], r['primary']) == (f, ln, p))}"
+                        for f, ln, p in groups], fontsize=8)
+    ax.set_ylabel("share of full's right answers kept")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Asked as deployed: chat template, chunks behind the generic system prompt", fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES)
@@ -220,6 +256,7 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results/deployed.jsonl")
     parser.add_argument("--report")
     parser.add_argument("--json")
+    parser.add_argument("--plot")
     args = parser.parse_args()
     if args.report:
         table = report(Path(args.report))
@@ -238,6 +275,8 @@ def main() -> int:
                   f"where 0.5 helps, {row['flags_rest']}/{row['rest']} elsewhere")
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": table, "signals": found}, indent=1))
+        if args.plot:
+            plot(table, Path(args.plot))
         return 0
     if args.family is None:
         parser.error("--family is required to run")
