@@ -30,7 +30,7 @@ from .cache import BlendedCache
 from .config import RequestOptions
 from .group import grouped_to_budget
 from .ingest import SHARED, chunk_unit
-from .models import layer_types
+from .models import LoadedModel, layer_types
 from .recompute import forward_at
 from .request import Plan
 from .select import (
@@ -120,14 +120,19 @@ def question_attention(parts: Parts, cache: BlendedCache, plan: Plan, options: R
     return Selection(tuple(p | f for p, f in zip(picked, first.rows)), int(early.numel()))
 
 
+def require_aux(parts: Parts) -> LoadedModel:
+    """The aux model, or a clear error where none is configured."""
+    if parts.aux is None:
+        raise ValueError("cacheclip's aux selection (selection='aux', or aux_share > 0) needs an aux model; set "
+                         "EngineConfig.aux, or use the default selection='question', which needs none")
+    return parts.aux
+
+
 def aux_attention(parts: Parts, plan: Plan, options: RequestOptions) -> Selection:
     """The paper's selector: aux scores -> to the budget -> mapped to the primary's tokens. Chunk 0 behind
     the shared prefix is not scored (no aux pass). With `boundary_tokens`, each chunk's seam and first
     tokens come first, out of the same budget."""
-    aux = parts.aux
-    if aux is None:
-        raise ValueError("cacheclip's aux selection (selection='aux', or aux_share > 0) needs an aux model; set "
-                         "EngineConfig.aux, or use the default selection='question', which needs none")
+    aux = require_aux(parts)
     prefix, entries = chunk_entries(parts, aux, plan.texts, variant=SHARED, system_prompt=plan.system_prompt,
                                     bare=plan.bare or None)
     question_ids, question_rows = question_tokens(aux, plan.question, options.answer_prefix)

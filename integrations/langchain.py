@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ try:
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.runnables import RunnableConfig, RunnableSerializable
     from langchain_core.runnables.utils import AddableDict
-    from pydantic import ConfigDict, Field
+    from pydantic import ConfigDict, Field, PrivateAttr
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LangChain integration needs: pip install 'cacheclip-rag[langchain]'") from err
 
@@ -75,6 +76,8 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
     max_new_tokens: int = 64
     temperature: float = 0.0
     return_sources: bool = False
+    # the given options' other fields (selection, spread_ratio, min_recompute_tokens, ...): kept, not dropped
+    _base: RequestOptions = PrivateAttr(default_factory=RequestOptions)
 
     def __init__(self, engine: Engine | str, options: RequestOptions | None = None, api_key: str | None = None,
                  **fields: Any):
@@ -85,6 +88,8 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
             fields = {"method": options.method, "ratio": options.ratio, "max_new_tokens": options.max_new_tokens,
                       "temperature": options.temperature, **fields}
         super().__init__(engine=engine, **fields)
+        if options is not None:
+            self._base = options
 
     @classmethod
     def is_lc_serializable(cls) -> bool:
@@ -99,7 +104,7 @@ class CacheClipGenerate(RunnableSerializable[dict, Any]):
             raise ValueError(f"unknown options {unknown}; request options are {', '.join(sorted(_OPTION_NAMES))}")
         fields = {"method": self.method, "ratio": self.ratio, "max_new_tokens": self.max_new_tokens,
                   "temperature": self.temperature}
-        options = RequestOptions(**{**fields, **{k: v for k, v in given.items() if k != "return_sources"}})
+        options = replace(self._base, **{**fields, **{k: v for k, v in given.items() if k != "return_sources"}})
         docs = list(input["docs"])
         return str(input["question"]), _texts(docs), options, docs, bool(given.get("return_sources", self.return_sources))
 

@@ -72,7 +72,8 @@ def test_the_papers_selection_without_aux_is_a_clear_error_and_the_default_needs
     for selection in (dict(selection="aux"), dict(aux_share=0.5)):  # both run the aux's selection
         with pytest.raises(ValueError, match="needs an aux model"):
             engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", **selection))
-    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2))
+    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2,
+                                                              min_recompute_tokens=0))
     assert answer.recomputed_tokens > 0  # the default selection (the question's attention) needs no aux
 
 

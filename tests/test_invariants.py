@@ -58,7 +58,8 @@ def test_partial_recompute_moves_towards_full(tiny, make_engine):
 
 def test_timing_breakdown_is_reported(tiny, make_engine):
     engine = make_engine(tiny)
-    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=3))
+    answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=3,
+                                                               min_recompute_tokens=0))
     t = answer.timings
     assert t.load_s > 0 and t.select_s > 0 and t.recompute_s > 0
     assert t.ttft_s >= t.recompute_s

@@ -20,7 +20,7 @@ from cacheclip_rag.integrations.langchain import (  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 from tests.test_llamaindex import DOCS, QUESTION, PutCounter  # noqa: E402
 
-OPTIONS = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=8)
+OPTIONS = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=8, min_recompute_tokens=0)  # tiny prompts: under the short-prompt floor, which would run them as full
 
 
 @pytest.fixture(scope="module")

@@ -232,7 +232,7 @@ def test_layerwise_loading_waits_per_layer_and_builds_the_same_cache(tmp_path, a
     layered = Engine(primary=lm, aux=lm, store=HostTier(LMDBStore(tmp_path / "b"), 1 << 30, pin=False),
                      config=EngineConfig(store_path=tmp_path / "b", system_prompt="Be brief."),
                      layer_stream=lambda model: LoggingStream(events))
-    options = RequestOptions(method=method, ratio=0.3, max_new_tokens=4)
+    options = RequestOptions(method=method, ratio=0.3, max_new_tokens=4, min_recompute_tokens=0)
     for _ in range(2):  # a miss (computed and held), then a hit
         events.clear()
         want, got = plain.generate(QUESTION, CHUNKS, options), layered.generate(QUESTION, CHUNKS, options)

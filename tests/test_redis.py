@@ -254,7 +254,7 @@ def test_the_default_path_does_not_import_redis():
 def test_timings_count_each_tiers_hits_and_time(redis_server, tmp_path):
     """A request's reads by tier go into its timings: the first request on a fresh local tier reads
     through from Redis, the second finds everything locally and never asks Redis."""
-    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2)
+    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=2, min_recompute_tokens=0)
     writer = make_engine(RedisStore(redis_server.unix_url), tmp_path)
     writer.ingest(CHUNKS, progress=False)
     writer.store.close()

@@ -171,12 +171,12 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
     monkeypatch.setattr(methods, "aux_attention", selecting)
     engine.store.put_many = storing
     answer = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
-                                                                selection="aux"))
+                                                                selection="aux", min_recompute_tokens=0))
     assert events == ["loaded", "selecting"]
     assert len(writes) == len(set(writes)) > 0  # every missing entry (and the prefix) written once
     assert answer.reused_tokens == 0
     again = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=1,
-                                                                selection="aux"))
+                                                                selection="aux", min_recompute_tokens=0))
     assert again.reused_tokens > 0 and len(writes) == len(set(writes))
 
 

@@ -46,6 +46,9 @@ def free_port() -> int:
 def running(engine: Engine, **settings):
     """The app under a real uvicorn on a loopback port, in a thread; stopped on the way out."""
     port = free_port()
+    # the tiny prompts here are a few dozen tokens, under the short-prompt floor, which would run them as full:
+    # these tests pin reuse, so the floor is off unless a test asks (test_a_short_prompt_runs_as_full_when_served)
+    settings.setdefault("min_recompute_tokens", 0)
     serving = ServerSettings(**settings)
     app = create_app(engine, serving)
     server = uvicorn.Server(uvicorn_config(app, serving, "127.0.0.1", port, log_level="warning"))
@@ -255,7 +258,8 @@ def test_explicit_documents_use_the_engines_own_layout(live, engine):
     url, _ = live
     reply = client(url).chat.completions.create(model="cacheclip", messages=[{"role": "user", "content": QUESTION}],
                                                 max_tokens=5, extra_body={"documents": CHUNKS})
-    want = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=5))
+    want = engine.generate(QUESTION, CHUNKS, RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=5,
+                                                                         min_recompute_tokens=0))
     assert reply.choices[0].message.content == want.text
     assert reply.usage.prompt_tokens_details.cached_tokens > 0
 
@@ -463,6 +467,25 @@ def test_ingest_over_http_makes_new_chunks_recognisable(engine):
             {"role": "system", "content": "Context:\n" + new}, {"role": "user", "content": "When was it built?"}])
         assert answer.usage.model_dump()["cacheclip"]["chunks_recognised"] == 1
     assert new in engine.store.texts()
+
+
+def test_a_short_prompt_runs_as_full_when_served_with_the_default_floor(engine):
+    """The server's default floor (ServerSettings.min_recompute_tokens, the library's): a prompt of a few short
+    stored chunks runs as full attention over its layout (nothing reused, ratio 1); `cacheclip.min_recompute_tokens`
+    0 turns it off for the request, and the server's setting for every request."""
+    assert ServerSettings().min_recompute_tokens == RequestOptions().min_recompute_tokens
+
+    def ask(url, **ours):
+        return client(url).chat.completions.create(model="cacheclip", messages=rag_messages(), max_tokens=3,
+                                                   extra_body={"cacheclip": ours})
+
+    with running(engine, min_recompute_tokens=RequestOptions().min_recompute_tokens) as (url, _):
+        floored, reused = ask(url), ask(url, min_recompute_tokens=0)
+        assert floored.usage.model_dump()["cacheclip"]["ratio"] == 1.0
+        assert floored.usage.prompt_tokens_details.cached_tokens == 0
+        assert reused.usage.prompt_tokens_details.cached_tokens > 0
+    with running(engine, min_recompute_tokens=0) as (url, _):
+        assert ask(url).usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_a_completion_reads_its_question_after_the_chunks_as_the_chat_route_does(engine):

@@ -9,6 +9,7 @@ import torch
 from cacheclip_rag import selection
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.methods import short_prompt_budget
+from cacheclip_rag.serve.layouts import Defaults, options_for
 from cacheclip_rag.serve.requests import APIError, generation
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, has_embedded_models, max_diff, prefill
@@ -23,9 +24,11 @@ def test_a_prompt_under_the_floor_is_recomputed_whole_and_answers_as_full(make_e
     assert total < RequestOptions().min_recompute_tokens  # the tiny prompt is short
     _, floored = prefill(engine, min_recompute_tokens=RequestOptions().min_recompute_tokens)
     assert floored.ratio == 1.0
-    assert max_diff(floored.logits, full.logits) < TOL
-    first = len(plan.chunk_ids[0])  # chunk 0 behind the prefix is exact: every other row is recomputed
-    assert floored.recomputed_rows == total - first
+    assert torch.equal(floored.logits, full.logits)  # run as full: nothing loaded
+    assert floored.recomputed_rows == total and floored.cache.from_store is None  # no blended cache
+    _, partly = prefill(engine, min_recompute_tokens=total // 2)  # a floor between: a ratio, over the stored caches
+    assert partly.ratio == pytest.approx((total // 2) / total)
+    assert partly.cache.from_store is not None  # a blended cache
     _, plain = prefill(engine)  # the floor off (the tests' helper): the ratio alone
     assert plain.ratio == 0.2 and plain.recomputed_rows < floored.recomputed_rows
     assert max_diff(plain.logits, full.logits) > TOL
@@ -48,6 +51,8 @@ def test_the_floor_sets_the_ratio_from_the_chunk_tokens(make_engine):
     assert at(total // 10) == 0.2  # under the ratio's own budget: unchanged
     assert at(total // 2) == pytest.approx((total // 2) / total)
     assert at(total) == 1.0 and at(10 * total) == 1.0
+    method = lambda floor: short_prompt_budget(plan, RequestOptions(min_recompute_tokens=floor)).method  # noqa: E731
+    assert method(total) == method(10 * total) == "full" and method(total - 1) == method(0) == "cacheclip"
     assert at(10 * total, ratio=0.0) == 0.0  # reuse alone, as asked
     assert at(10 * total, ratio=0.7) == 1.0
 
@@ -72,9 +77,11 @@ def test_a_bad_floor_is_refused_by_name(bad):
 
 def test_the_server_takes_the_floor_and_refuses_a_bad_one():
     body = {"model": "cacheclip", "messages": [{"role": "user", "content": "hi"}]}
-    assert generation(body, ("cacheclip",), ("cacheclip",)).min_recompute_tokens == RequestOptions().min_recompute_tokens
+    unnamed = generation(body, ("cacheclip",), ("cacheclip",))
+    assert options_for(unnamed, Defaults()).min_recompute_tokens == RequestOptions().min_recompute_tokens
+    assert options_for(unnamed, Defaults(min_recompute_tokens=64)).min_recompute_tokens == 64  # the server's
     given = generation(body | {"cacheclip": {"min_recompute_tokens": 0}}, ("cacheclip",), ("cacheclip",))
-    assert given.min_recompute_tokens == 0
+    assert options_for(given, Defaults(min_recompute_tokens=64)).min_recompute_tokens == 0  # the request's
     for bad in (-5, 2.5, "many", True):
         with pytest.raises(APIError, match="min_recompute_tokens"):
             generation(body | {"cacheclip": {"min_recompute_tokens": bad}}, ("cacheclip",), ("cacheclip",))
@@ -108,4 +115,4 @@ def test_the_readme_example_answers_right_with_the_defaults_in_either_order(tmp_
             answer = engine.generate(question, chunks, RequestOptions(max_new_tokens=12))
             full = engine.generate(question, chunks, RequestOptions(method="full", max_new_tokens=12))
             assert right in answer.text and answer.token_ids == full.token_ids, (question, chunks[0], answer.text)
-            assert answer.ratio == 1.0 and answer.reused_tokens > 0  # chunk 0 and the prefix still come from the store
+            assert answer.ratio == 1.0 and answer.method == "cacheclip"  # asked for cacheclip; ran as full

@@ -165,7 +165,7 @@ def test_device_tier_is_an_lru_by_bytes_that_serves_the_same_entries(tmp_path, m
             tier.get_many([b"\x03"], "other-model")  # a resident entry never crosses models either
     lm = tiny_model("llama")
     plain = make_engine(lm)
-    options = RequestOptions(method="cacheclip", max_new_tokens=3)
+    options = RequestOptions(method="cacheclip", max_new_tokens=3, min_recompute_tokens=0)
     answer = plain.generate("what is the magic number?", CHUNKS, options)
     plain.store = DeviceTier(plain.store, "cpu", max_bytes=1 << 30)
     for _ in range(2):

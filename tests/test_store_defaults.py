@@ -35,7 +35,7 @@ def test_cpu_default_stores_float16_at_half_the_bytes_and_nearly_the_same_answer
     assert half.keys.dtype == torch.float16 and full_size.keys.dtype == torch.float32
     assert half.nbytes * 2 == full_size.nbytes
     assert max_diff(half.keys, full_size.keys) < 2e-3 * float(full_size.keys.abs().max())  # rounding, not damage
-    options = RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=1)
+    options = RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=1, min_recompute_tokens=0)
     a = lean.generate(QUESTION, CHUNKS, options).first_logits
     b = exact.generate(QUESTION, CHUNKS, options).first_logits
     log_p, log_q = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
@@ -127,7 +127,7 @@ def test_float8_storage_halves_float16_and_the_engine_answers_from_the_dequantiz
     assert row["dtypes"] == ["float32", "float8_e4m3fn"]  # the shared prefix stays exact
     layers, kv, dim = 3, 2, 16
     assert 2 * layers * kv * dim < row["bytes_per_token"] < 2 * layers * kv * dim * 2  # < float16's per token
-    options = RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=1)
+    options = RequestOptions(method="cacheclip", ratio=0.2, max_new_tokens=1, min_recompute_tokens=0)
     a = fp8.generate(QUESTION, CHUNKS, options).first_logits
     b = exact.generate(QUESTION, CHUNKS, options).first_logits
     assert 0 < max_diff(a, b) < 0.1 * float(b.abs().max())

@@ -186,7 +186,7 @@ def test_an_intact_entry_under_another_chunks_key_is_quarantined_and_recomputed(
     store = LMDBStore(tmp_path)
     engine = engine_on(store)
     chunks = ["The ferry leaves at 7:40 every morning.", "The bakery sells out by nine."]
-    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=3)
+    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=3, min_recompute_tokens=0)
     before = engine.generate("When does the ferry leave?", chunks, options)
     prefix = prefix_cache(engine.primary, store, "Be brief.")
     a, b = (chunk_key(engine.primary, prefix.token_ids, t, SHARED) for t in chunks)

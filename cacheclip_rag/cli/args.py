@@ -194,6 +194,8 @@ def check_serve(args: argparse.Namespace) -> None:
             load_keys(args.keys)
         except ValueError as err:
             fail(str(err))
+    if args.min_recompute_tokens < 0:
+        fail(f"--min-recompute-tokens must be >= 0 (0: the ratio alone), got {args.min_recompute_tokens}")
     if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
         fail(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
     if not args.header_timeout_s > 0 or args.max_connections < 1:
@@ -286,6 +288,8 @@ def parser() -> argparse.ArgumentParser:
     serving.add_argument("--model-name", default="cacheclip", help="the model name clients pass")
     serving.add_argument("--method", default="cacheclip", help="method for recognised prompts")
     serving.add_argument("--ratio", type=float, default=0.2)
+    serving.add_argument("--min-recompute-tokens", type=int, default=256,
+                         help="cacheclip recomputes at least this many chunk tokens (a shorter prompt runs as full)")
     add_selection(serving)
     serving.add_argument("--max-queue", type=int, default=8, help="requests waiting or running before 429")
     serving.add_argument("--max-batch", type=int, default=8,

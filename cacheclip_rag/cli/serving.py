@@ -14,7 +14,8 @@ def run(args: argparse.Namespace) -> int:
 
     settings = ServerSettings(model=args.model_name, api_keys=tuple(args.api_key),
                               tenant_keys=load_keys(args.keys) if args.keys else {}, method=args.method,
-                              ratio=args.ratio, selection=args.selection, max_queue=args.max_queue, max_batch=args.max_batch,
+                              ratio=args.ratio, selection=args.selection,
+                              min_recompute_tokens=args.min_recompute_tokens, max_queue=args.max_queue, max_batch=args.max_batch,
                               max_body_bytes=int(args.max_body_mb * (1 << 20)), max_prompt_chars=args.max_prompt_chars,
                               header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
                               timeout_s=args.timeout_s)

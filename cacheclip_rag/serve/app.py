@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import DEFAULT_SELECTION, METHODS, RequestOptions
+from ..config import DEFAULT_SELECTION, METHODS, MIN_RECOMPUTE_TOKENS, RequestOptions
 from ..engine import Engine
 from ..ingest import FormattedPrefix
 from ..request import Answer
@@ -45,6 +45,7 @@ class ServerSettings:
     method: str = "cacheclip"
     ratio: float = 0.2
     selection: str = DEFAULT_SELECTION  # cacheclip's selection ("aux": the paper's aux selection)
+    min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS  # cacheclip's short-prompt floor (RequestOptions')
     max_queue: int = 8
     max_batch: int = 8  # running requests whose decode steps run as one forward
     max_body_bytes: int = 8 << 20  # refused while reading (413)
@@ -60,7 +61,8 @@ class ServerSettings:
     index_refresh_s: float = 2.0  # how often new texts in the store are indexed for recognition
 
     def __post_init__(self) -> None:
-        RequestOptions(method=self.method, ratio=self.ratio, selection=self.selection)  # a clear error for a bad default
+        RequestOptions(method=self.method, ratio=self.ratio, selection=self.selection,
+                       min_recompute_tokens=self.min_recompute_tokens)  # a clear error for a bad default
         if self.max_queue < 1 or self.max_batch < 1 or self.max_body_bytes < 1024 or not self.timeout_s > 0:
             raise ValueError("max_queue >= 1, max_batch >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
         if self.api_keys and self.tenant_keys:
@@ -368,7 +370,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             scope, with_default_tokens(parsed), defaults)))
         return await respond(request, scope.engine, planned, "completion")
 
-    defaults = Defaults(settings.method, settings.ratio, settings.selection)
+    defaults = Defaults(settings.method, settings.ratio, settings.selection, settings.min_recompute_tokens)
 
     def with_default_tokens(parsed):
         if parsed.generation.max_tokens is not None:

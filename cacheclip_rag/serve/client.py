@@ -65,7 +65,9 @@ class RemoteEngine:
                              {"role": "user", "content": question}],
                 "documents": list(texts), "cacheclip": {"method": options.method, "ratio": options.ratio,
                                                             "selection": options.selection,
-                                                            "aux_share": options.aux_share}}
+                                                            "aux_share": options.aux_share,
+                                                            "spread_ratio": options.spread_ratio,
+                                                            "min_recompute_tokens": options.min_recompute_tokens}}
         if options.stop:
             body["stop"] = list(options.stop)
         if options.seed is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from ..config import DEFAULT_SELECTION, RequestOptions
+from ..config import DEFAULT_SELECTION, MIN_RECOMPUTE_TOKENS, RequestOptions
 from ..engine import Engine
 from ..planning import plan_layout
 from ..recognize import Layout, layout
@@ -56,6 +56,7 @@ class Defaults:
     method: str = "cacheclip"
     ratio: float = 0.2
     selection: str = DEFAULT_SELECTION
+    min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS
 
 
 def options_for(generation: Generation, defaults: Defaults) -> RequestOptions:
@@ -65,7 +66,8 @@ def options_for(generation: Generation, defaults: Defaults) -> RequestOptions:
                               selection=generation.selection or defaults.selection,
                               aux_share=generation.aux_share or 0.0,
                               spread_ratio=generation.spread_ratio,
-                              min_recompute_tokens=generation.min_recompute_tokens,
+                              min_recompute_tokens=(defaults.min_recompute_tokens if generation.min_recompute_tokens
+                                                    is None else generation.min_recompute_tokens),
                               max_new_tokens=generation.max_tokens or 256, temperature=generation.temperature,
                               top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
     except (TypeError, ValueError) as err:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import MIN_RECOMPUTE_TOKENS, SELECTIONS, SPREAD_RATIO
+from ..config import SELECTIONS, SPREAD_RATIO
 
 
 class APIError(Exception):
@@ -47,7 +47,7 @@ class Generation:
     selection: str | None = None  # "question" | "aux" when the request names one
     aux_share: float | None = None
     spread_ratio: float | None = SPREAD_RATIO  # null turns the spread budget off
-    min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS  # 0 turns the short-prompt floor off
+    min_recompute_tokens: int | None = None  # the server's default when None; 0 turns the short-prompt floor off
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
                       seed=seed, stream=stream, include_usage=bool(options.get("include_usage", False)),
                       documents=documents, cache_salt=salt, method=method, ratio=ratio, selection=selection,
                       aux_share=aux_share, spread_ratio=spread,
-                      min_recompute_tokens=MIN_RECOMPUTE_TOKENS if floor is None else floor)
+                      min_recompute_tokens=floor)
 
 
 def _selection(ours: dict) -> tuple[str | None, float | None]:
