@@ -186,9 +186,9 @@ class RequestOptions:
     # drawn from several chunks: `spread.answer_spread`); None: the ratio alone. At ratio 0.2 the lists such
     # questions ask for were kept in 0.74 of full's complete answers at 4K, at 0.5 in 0.93 (bench/RESULTS.md)
     spread_ratio: float | None = SPREAD_RATIO
-    # cacheclip recomputes at least this many chunk tokens (all of a shorter prompt's: `full`'s answer); 0: the
-    # ratio alone. Reuse saves little there (a 91-token prompt: 0.18 s against full's 0.21 s on 2 CPU cores) and
-    # lost answers (bench/RESULTS.md, "Evaluated as deployed")
+    # cacheclip recomputes at least this many chunk tokens; a prompt with fewer runs as `full`; 0: the ratio
+    # alone. Reuse saves a fraction of a second there (a 91-token prompt: 0.18 s against full's 0.21 s on 2 CPU
+    # cores) and lost half the answers (bench/RESULTS.md, "Evaluated as deployed")
     min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS
     max_new_tokens: int = 32
     temperature: float = 0.0

@@ -142,8 +142,8 @@ def short_prompt_budget(plan: Plan, options: RequestOptions) -> RequestOptions:
     chunk tokens runs as `full` (ratio 1: its answer, by the shortest path: nothing loaded, no mask); ratio 0
     (reuse alone) is left as asked. Below a few hundred chunk tokens reuse saves a fraction of a second at
     most, and there the reused caches lost answers (the README's two-chunk example answered with the other
-    chunk's year). Served, recomputing every row over the loaded caches took longer than `full` (0.46 s
-    against 0.29 s on ~100-token prompts)."""
+    chunk's year). Served, recomputing every row over the loaded caches took longer than `full` itself
+    (median 0.93 s against 0.57 s on 79-156-token prompts, bench/RESULTS.md)."""
     total = sum(len(ids) for ids in plan.chunk_ids)
     if options.ratio <= 0.0 or total == 0 or options.min_recompute_tokens <= options.ratio * total:
         return options
