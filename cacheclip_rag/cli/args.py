@@ -107,6 +107,12 @@ def check_ingest(args: argparse.Namespace) -> None:
         fail(f"--chunk-size must be >= 16 tokens, got {args.chunk_size}")
     if args.ray_workers < 1:
         fail(f"--ray-workers must be >= 1, got {args.ray_workers}")
+    if args.handbook:
+        from ..handbook import HANDBOOK
+
+        args.paths = [*args.paths, str(HANDBOOK)]
+    if not args.paths:
+        fail("nothing to ingest: give files or folders, or --handbook for the bundled example")
     args.texts = checked_texts(args.paths)  # read once: the command uses these texts
     if args.server is not None:
         check_server(args.server)  # the server's own models answer: ours are not loaded
@@ -261,7 +267,8 @@ def parser() -> argparse.ArgumentParser:
     add_selection(demo)
 
     ingest = with_models(sub.add_parser("ingest", help="files or folders (.md/.txt) -> FAISS index + KV store"))
-    ingest.add_argument("paths", nargs="+")
+    ingest.add_argument("paths", nargs="*", help="files or folders of .md/.txt")
+    ingest.add_argument("--handbook", action="store_true", help="also the bundled example handbook (the README's data)")
     ingest.add_argument("--index", default=None, help="index directory (default: user cache)")
     ingest.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                         help="compute the chunks' KV on Ray workers (a local cluster, or the one at ADDRESS)")

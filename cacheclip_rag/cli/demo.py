@@ -6,7 +6,6 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
-from importlib.resources import files
 
 from ..config import RequestOptions
 from .args import engine_config
@@ -33,9 +32,9 @@ DEMO_SET = (
 
 def demo_chunks() -> list[str]:
     from ..chunking import split_sections
+    from ..handbook import handbook_text
 
-    text = files("cacheclip_rag").joinpath("data/observatory_handbook.md").read_text(encoding="utf-8")
-    return [c for c in split_sections(text) if c.startswith("## ")]  # the handbook's preamble is its title alone
+    return [c for c in split_sections(handbook_text()) if c.startswith("## ")]  # the handbook's preamble is its title alone
 
 
 @dataclass
