@@ -342,7 +342,8 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", default="eval-results", help="run folder: records.jsonl is appended as samples "
                           "finish, and a rerun resumes it")
 
-    bench = sub.add_parser("bench", help="run a benchmark script: reuse, methods, kernel, transfer, ...")
+    bench = sub.add_parser("bench", help="run a benchmark script of a source checkout's bench/ folder (reuse, methods, "
+                                         "kernel, deployed, ...); an installed wheel carries none")
     bench.add_argument("name")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
