@@ -21,7 +21,7 @@ Resumable: one JSON line per case in `--out`. Summaries with `--report`.
     python bench/bench_deployed.py --family short --length 0 --cases 52 --out bench/results/deployed.jsonl
     python bench/bench_deployed.py --family values --length 2048 --cases 52 --out bench/results/deployed.jsonl
     python bench/bench_deployed.py --report bench/results/deployed.jsonl --json bench/results/quality_deployed.json \
-        --plot bench/results/quality_deployed.png
+        --plot bench/results/quality_deployed.png --into bench/results/quality_multichunk.json
 """
 
 from __future__ import annotations
@@ -257,6 +257,8 @@ def main() -> int:
     parser.add_argument("--report")
     parser.add_argument("--json")
     parser.add_argument("--plot")
+    parser.add_argument("--into", help="also put the multi-chunk families' rows under 'deployed' in this JSON "
+                                       "(bench/results/quality_multichunk.json, whose RULER rows get format 'ruler')")
     args = parser.parse_args()
     if args.report:
         table = report(Path(args.report))
@@ -277,6 +279,12 @@ def main() -> int:
             Path(args.json).write_text(json.dumps({"rows": table, "signals": found}, indent=1))
         if args.plot:
             plot(table, Path(args.plot))
+        if args.into:
+            merged = json.loads(Path(args.into).read_text())
+            for row in merged.get("rows", []):
+                row.setdefault("format", "ruler")
+            merged["deployed"] = [row for row in table if row["family"] != "short"]
+            Path(args.into).write_text(json.dumps(merged, indent=1))
         return 0
     if args.family is None:
         parser.error("--family is required to run")
