@@ -112,7 +112,8 @@ def _recognised(engine: Engine, index: Scope, prompt: str, *, question: str, opt
     asked = _question(messages, tuple(prompt[m.start : m.stop] for m in matches)) if messages else \
         " ".join(found.tail.split())
     found = replace(found, question=asked or question)
-    options = selection_for(engine, found, options)
+    if messages:  # a chat that asks before its context is selected by the aux (a completion asks after its own)
+        options = selection_for(engine, found, options)
     try:
         return Planned(plan_layout(engine.primary, found, options), None, options, chunks_recognised=len(matches),
                        recognise_s=recognise_s)
