@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> None:
         server = uvicorn.Server(uvicorn_config(app, settings, "127.0.0.1", port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
+        deadline = time.monotonic() + 120
         while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
