@@ -45,13 +45,17 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+SWITCHED_OFF = "CACHECLIP_CPU_KERNELS=0"
+NO_BF16 = "this CPU has no AVX-512 BF16"
+
+
 def _why_not() -> str | None:
     """None where the kernels may be built here; else the reason they are not."""
     if os.environ.get("CACHECLIP_CPU_KERNELS", "1") == "0":
-        return "CACHECLIP_CPU_KERNELS=0"
+        return SWITCHED_OFF
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     if probe is None or not probe():
-        return "this CPU has no AVX-512 BF16"
+        return NO_BF16
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler on PATH"
     return None
@@ -60,8 +64,7 @@ def _why_not() -> str | None:
 def _could_run() -> bool:
     """Whether this CPU could run the kernels and they were not switched off: where not using them loses
     their speed-up."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return os.environ.get("CACHECLIP_CPU_KERNELS", "1") != "0" and probe is not None and bool(probe())
+    return _why_not() not in (SWITCHED_OFF, NO_BF16)
 
 
 def _put_ninja_on_path() -> None:
