@@ -21,7 +21,6 @@ from .ingest import (
     DIRECT,
     SHARED,
     FormattedPrefix,
-    chunk_key,
     new_cache,
     precompute,
 )
@@ -33,6 +32,7 @@ from .recognize import StoreIndex, layout
 from .recompute import forward_at
 from .request import Answer, Plan, Prefill, Stream, Timings
 from .store import KVStore, LMDBStore, tally_reads
+from .store.texts import is_text_ref
 from .store.tiers import DeviceTier, HostTier
 
 __all__ = ["Answer", "Engine", "Plan", "Prefill", "Stream", "Timings", "default_kernel", "open_store"]
@@ -99,6 +99,9 @@ class Engine:
             raise ValueError(f"{len(texts)} texts and {len(owners)} owners: give one owner per text")
         if groups is not None and (owners is None or len(groups) != len(texts)):
             raise ValueError("groups need owners, one group per text")
+        if owners is not None:  # first: the entries computed below are then recorded as the texts' own
+            for i, owner in enumerate(owners):
+                self.store.retain(owner, (), None if groups is None else groups[i], texts[i])
         prefix = system_prompt or self.config.system_prompt
         batch, parts = self.config.ingest_batch_size, self.parts
         keys = precompute(self.primary, self.store, texts, prefix, variant=SHARED, batch_size=batch, progress=progress,
@@ -110,10 +113,6 @@ class Engine:
             precompute(self.aux, self.store, texts, prefix, variant=SHARED, batch_size=batch, progress=progress,
                        store_dtype=blend.store_dtype(parts, self.aux), bare=bare)
         self.store.remember_texts(texts)  # a server finds these texts inside its clients' prompts
-        if owners is not None:
-            key_sets = self._chunk_keys(texts)
-            for i, owner in enumerate(owners):
-                self.store.retain(owner, key_sets[i], None if groups is None else groups[i])
         return keys
 
     def owners_of(self, group: str) -> list[str]:
@@ -121,18 +120,10 @@ class Engine:
         return self.store.owners_of(group)
 
     def release(self, owners: Sequence[str] = (), group: str | None = None) -> int:
-        """Forget `owners` (or every owner in `group`); caches no other owner uses are deleted. Returns
-        how many entries went."""
-        return len(self.store.release(owners, group))
-
-    def _chunk_keys(self, texts: Sequence[str]) -> list[list[bytes]]:
-        """Per text, every key its caches can be stored under: the primary's (behind the shared prefix, and
-        alone for `direct`) and the aux's. Each model's prefix is tokenized once."""
-        models = [(lm, lm.encode_prefix(lm.prompt.prefix(self.config.system_prompt)), variants)
-                  for lm, variants in ((self.primary, (SHARED, DIRECT)), (self.aux, (SHARED,))) if lm is not None]
-        return [list(dict.fromkeys(chunk_key(lm, prefix_ids, text, variant)
-                                   for lm, prefix_ids, variants in models for variant in variants))
-                for text in texts]
+        """Forget `owners` (or every owner in `group`); a text no other owner holds is forgotten: every cache
+        computed from it (at ingest or for a request) deleted, its words gone, and recognition indexes told.
+        Returns how many entries went."""
+        return sum(not is_text_ref(k) for k in self.store.release(owners, group))
 
     # ---- request path: plan -> prefill -> decode ---------------------------------------------
 

@@ -226,6 +226,7 @@ def precompute(
         items += [(bare_keys[k], lm.fingerprint.digest, cut) for (k, _), e in zip(batch, entries) if k in bare_keys
                   for cut in [without_separator(lm, texts_of[k], e)] if cut is not None]
         store.put_many(items)
+    store.record_entries([(t, [k, *([bare_keys[k]] if k in bare_keys else [])]) for k, t in zip(keys, texts)])
     return keys
 
 
@@ -274,9 +275,11 @@ def _store_or_serve(store: KVStore, items: list[tuple[bytes, str, ChunkEntry]]) 
 
 
 def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missing: dict[bytes, str], *, variant: str,
-                     batch_size: int, store_dtype: torch.dtype | None) -> dict[bytes, EntryView]:
+                     batch_size: int, store_dtype: torch.dtype | None,
+                     texts_of: dict[bytes, str] | None = None) -> dict[bytes, EntryView]:
     """The missing chunks (key -> unit) computed and stored, each as the bytes the store holds (so a
-    request served from a miss sees exactly what later requests read back)."""
+    request served from a miss sees exactly what later requests read back); each recorded as computed from
+    its text (`texts_of`: key -> text), so deleting an owned text deletes it too."""
     views: dict[bytes, EntryView] = {}
     fingerprint = lm.fingerprint.digest
     for batch, entries in _computed(lm, prefix, list(missing.items()), variant=variant, batch_size=batch_size,
@@ -284,6 +287,8 @@ def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missin
         _store_or_serve(store, [(k, fingerprint, e) for (k, _), e in zip(batch, entries)])
         for (k, _), e in zip(batch, entries):
             views[k] = parse_entry(encode_entry(fingerprint, e, k), fingerprint, k, checked=True)
+    if texts_of:
+        store.record_entries([(texts_of[k], [k]) for k in missing if k in texts_of])
     return views
 
 
@@ -298,7 +303,8 @@ def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], *, v
     found = fetch(lm, store, keys)
     missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
     if missing:
-        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype)
+        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype,
+                                texts_of=dict(zip(keys, texts)))
         found = [views[k].decode(lm.device) if e is None else e for k, e in zip(keys, found)]
     return prefix, found  # type: ignore[return-value]
 
@@ -319,7 +325,8 @@ def load_into(lm: LoadedModel, store: KVStore, *, texts: Sequence[str], token_id
             found[i] = None
     missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
     if missing:
-        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype)
+        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype,
+                                texts_of=dict(zip(keys, texts)))
         for key, entry, slot in zip(keys, found, slots):
             if entry is None:
                 views[key].copy_into(slot)

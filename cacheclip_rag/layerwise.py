@@ -89,7 +89,7 @@ def load_layerwise(lm: LoadedModel, tier: HostTier, *, texts: Sequence[str], tok
     read = tuple(e is not None for e in sources)
     if missing:
         views = compute_missing(lm, tier, prefix, missing, variant=variant, batch_size=batch_size,
-                                    store_dtype=store_dtype)
+                                store_dtype=store_dtype, texts_of=dict(zip(keys, texts)))
         sources = [views[k].decode("cpu", dtype, pin=tier.pin) if e is None else e for k, e in zip(keys, sources)]
 
     rotations: dict = {}  # cos, sin per (layer type, delta): computed once per request, not per layer

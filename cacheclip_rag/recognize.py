@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .store.namespaced import SHARED, split_marked
+from .store.texts import forgotten
 
 ANCHOR = 48  # characters: long enough to be rare in other text, short enough for small chunks
 SHORT_ANCHOR = 16  # the anchor of a chunk shorter than ANCHOR
@@ -162,6 +163,15 @@ class _Bucket:
             self.checked = sorted([*self.checked, length], reverse=True)[:MAX_LENGTHS]
         return True
 
+    def drop(self, length: int, whole: int) -> bool:
+        known = self.by_length.get(length, {})
+        if known.pop(whole, None) is None:
+            return False
+        if not known:
+            del self.by_length[length]
+            self.checked = sorted(self.by_length, reverse=True)[:MAX_LENGTHS]
+        return True
+
 
 class ChunkIndex:
     """The stored chunks' anchors and hashes, for `find`. Thread-safe; `add` is idempotent."""
@@ -170,6 +180,7 @@ class ChunkIndex:
         self._hasher = _hasher()
         self._buckets: dict[int, dict[int, _Bucket]] = {ANCHOR: {}, SHORT_ANCHOR: {}}  # width -> anchor -> bucket
         self._keys: dict[int, np.ndarray] = {}  # width -> the anchor hashes, sorted, for a vectorised lookup
+        self._where: dict[bytes, tuple[int, int, int, int]] = {}  # digest -> width, anchor, length, whole
         self._count = 0
         self._lock = threading.Lock()
         self.last_work = 0
@@ -194,7 +205,23 @@ class ChunkIndex:
                 if buckets[anchor].add(len(text), whole, digest):
                     added += 1
                     self._count += 1
+                    self._where[digest] = (width, anchor, len(text), whole)
         return added
+
+    def forget(self, digest: bytes) -> bool:
+        """Stop finding the text whose sha256 is `digest` (a deleted document); False if not indexed."""
+        with self._lock:
+            where = self._where.pop(digest[:16], None)
+            if where is None:
+                return False
+            width, anchor, length, whole = where
+            bucket = self._buckets[width][anchor]
+            if bucket.drop(length, whole):
+                self._count -= 1
+            if not bucket.by_length:
+                del self._buckets[width][anchor]
+                self._keys.pop(width, None)
+            return True
 
     def _anchor_keys(self, width: int) -> np.ndarray:
         with self._lock:
@@ -292,7 +319,12 @@ class StoreIndex:
             texts, self._cursor = self._store.texts_since(self._cursor)
             grouped: dict[str, list[str]] = {}
             for namespace, text in map(split_marked, texts):
-                grouped.setdefault(namespace, []).append(text)
+                gone = forgotten(text)
+                if gone is None:
+                    grouped.setdefault(namespace, []).append(text)
+                    continue
+                self.add(namespace, grouped.pop(namespace, []))  # in the log's order: added, then forgotten
+                self.of(namespace).forget(gone)
             for namespace, group in grouped.items():
                 self.add(namespace, group)
             self._checked = time.monotonic()

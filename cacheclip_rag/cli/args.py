@@ -121,6 +121,14 @@ def check_ingest(args: argparse.Namespace) -> None:
     check_models(args)
 
 
+def check_delete(args: argparse.Namespace) -> None:
+    if not args.server.startswith(("http://", "https://")):
+        fail(f"--server must be an http(s):// URL of a running `cacheclip serve`, got {args.server!r}")
+    if not args.ids and not args.file:
+        fail("nothing to delete: give document ids, or --file for a file ingested with `ingest --server`")
+    check_server(args.server)
+
+
 def check_query(args: argparse.Namespace) -> None:
     """Everything a query can get wrong, before ~30 s of model loading."""
     if not args.question.strip():
@@ -224,6 +232,7 @@ def check_serve(args: argparse.Namespace) -> None:
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], None], str]] = {
     "demo": (check_demo, "demo:run"),
     "ingest": (check_ingest, "documents:ingest"),
+    "delete": (check_delete, "documents:delete"),
     "query": (check_query, "documents:query"),
     "inspect": (check_store, "maintain:inspect"),
     "verify": (check_store, "maintain:maintain"),
@@ -283,6 +292,12 @@ def parser() -> argparse.ArgumentParser:
                         help="with --server: the exact text your app's system message has before the chunks it "
                              "pastes, blank line included (the caches are computed behind exactly that, so the "
                              "first request reuses them)")
+
+    delete = sub.add_parser("delete", help="documents off a running `cacheclip serve`: by id, or a file's chunks")
+    delete.add_argument("ids", nargs="*", help="the ids the documents were ingested under (/v1/ingest's `ids`)")
+    delete.add_argument("--file", action="append", default=[], help="every chunk `ingest --server` sent from this file")
+    delete.add_argument("--server", required=True, metavar="URL")
+    delete.add_argument("--api-key", default=None)
 
     serving = with_models(sub.add_parser("serve", help="an OpenAI-compatible server that reuses stored chunks "
                                                          "found in ordinary prompts"))

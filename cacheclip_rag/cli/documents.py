@@ -84,7 +84,7 @@ def ingest(args: argparse.Namespace) -> int:
     if not read:
         raise SystemExit("no .md or .txt text found")
     if args.server is not None:
-        return _ingest_on_server(args, [node.get_content() for node in read])
+        return _ingest_on_server(args, read)
     config = engine_config(args)
     nodes = {node.node_id: node for node in read}  # ids hash file and text: a repeated chunk is one node
     if args.ray is not None:  # the nodes' KV on Ray workers first (the very texts the index hook stores)
@@ -118,23 +118,39 @@ def ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ingest_on_server(args: argparse.Namespace, texts: list[str]) -> int:
+def _ingest_on_server(args: argparse.Namespace, nodes: list[TextNode]) -> int:
     """The chunks to a running server's /v1/ingest (it computes and stores their caches and recognises
-    them in prompts from then on)."""
+    them in prompts from then on), each under its node id in its file's group (`cacheclip delete --file`)."""
+    body = {"documents": [n.get_content() for n in nodes], "ids": [n.node_id for n in nodes],
+            "groups": [n.metadata["file"] for n in nodes], **({"system": args.system} if args.system else {})}
+    body = _post(args, "/v1/ingest", body, "the chunks")
+    print(f"ingested {body['documents']} chunks on {args.server} ({body['indexed']} new to its index)")
+    return 0
+
+
+def delete(args: argparse.Namespace) -> int:
+    """Documents off a running server, by id or by file (the group `ingest --server` put its chunks in):
+    their caches, texts and recognition go there at once."""
+    total = 0
+    for ids, group in [(args.ids, None)] * bool(args.ids) + [([], str(Path(f).resolve())) for f in args.file]:
+        total += _post(args, "/v1/documents/delete", {"ids": ids, **({"group": group} if group else {})},
+                       "the delete")["deleted_entries"]
+    print(f"deleted on {args.server}: {total} cache entries (an id this key never ingested deletes nothing)")
+    return 0
+
+
+def _post(args: argparse.Namespace, route: str, body: dict, what: str) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = args.server.rstrip("/") + "/v1/ingest"
+    url = args.server.rstrip("/") + route
     try:
-        body = {"documents": texts, **({"system": args.system} if args.system else {})}
         reply = httpx.post(url, json=body, headers=headers, timeout=3600)
     except httpx.HTTPError as err:
         raise SystemExit(f"cannot reach {url}: {err}") from None
     if reply.status_code != 200:
-        raise SystemExit(f"{url} refused the chunks ({reply.status_code}): {reply.text[:300]}")
-    body = reply.json()
-    print(f"ingested {body['documents']} chunks on {args.server} ({body['indexed']} new to its index)")
-    return 0
+        raise SystemExit(f"{url} refused {what} ({reply.status_code}): {reply.text[:300]}")
+    return reply.json()
 
 
 def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[str]) -> None:

@@ -25,11 +25,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import DEFAULT_SELECTION, METHODS, MIN_RECOMPUTE_TOKENS, RequestOptions
 from ..engine import Engine
-from ..ingest import FormattedPrefix
 from ..request import Answer
-from .layouts import Defaults, Planned, plan_chat, plan_completion, stream_plan, system_head
+from .documents import add_document_routes
+from .layouts import Defaults, Planned, plan_chat, plan_completion, stream_plan
 from .metrics import Metrics
-from .requests import APIError, chat_request, check_fields, completion_request, parse_json
+from .requests import APIError, chat_request, completion_request, parse_json
 from .keys import OPERATOR, Tenant
 from .tenants import Tenants
 from .worker import DONE, Job, QueueFull, Worker, off_worker
@@ -134,29 +134,6 @@ class Server:
             raise APIError(400, f"the prompt's {size} characters are over this server's {self.max_prompt_chars} "
                            f"(the model's context is {self.engine.primary.max_context} tokens)", "messages",
                            "context_length_exceeded")
-
-    def check_ingest(self, body: dict) -> tuple[list[str], str | None]:
-        """`/v1/ingest`'s body within its limits, refused in milliseconds, before any compute."""
-        settings = self.settings
-        check_fields(body, {"documents", "system"})
-        documents = body.get("documents")
-        if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
-            raise APIError(400, "'documents' must be a non-empty list of strings", "documents")
-        if len(documents) > settings.max_ingest_documents:
-            raise APIError(413, f"'documents' holds {len(documents)} texts, over the limit of "
-                           f"{settings.max_ingest_documents} a request", "documents")
-        for i, text in enumerate(documents):
-            if len(text) > settings.max_document_chars:
-                raise APIError(413, f"documents[{i}] has {len(text)} characters, over the limit of "
-                               f"{settings.max_document_chars}", f"documents[{i}]")
-            if "\x00" in text:
-                raise APIError(400, f"documents[{i}] holds a NUL character", f"documents[{i}]")
-        system = body.get("system")
-        if system is not None and (not isinstance(system, str) or not system.strip()):
-            raise APIError(400, "'system' must be the non-empty text your system message has before the chunks", "system")
-        if system is not None and len(system) > settings.max_system_chars:
-            raise APIError(413, f"'system' has {len(system)} characters, over the limit of {settings.max_system_chars}", "system")
-        return documents, system
 
     def limit_tokens(self, planned: Planned) -> Planned:
         """max_tokens within the context (a request asking for more than fits is refused, named); the ids."""
@@ -279,26 +256,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                                             "context_window": engine.primary.max_context,
                                             "system_prompt": engine.config.system_prompt}]}
 
-    @app.post("/v1/ingest")
-    async def ingest(request: Request) -> dict:
-        """{"documents": [...]}: each text's caches computed and stored in the key's namespace (an admin
-        key's: the shared corpus), and indexed for recognition."""
-        tenant = server.authorise(request)
-        if not tenant.ingest:
-            raise APIError(403, "this API key may not ingest (it needs the ingest role)", code="forbidden")
-        documents, system = server.check_ingest(await server.body(request))
-        scope = server.tenants.scope(tenant)
-        # with `system`: computed behind the exact start of the prompts that will paste them, each also as
-        # the last chunk of the message (no separator after it), so the first such request reuses them
-        try:
-            head = FormattedPrefix(system_head(engine, system)) if system is not None else None
-            keys = await off_worker(scope.engine.ingest, documents, progress=False, system_prompt=head,
-                                    bare=head is not None)
-        except (TypeError, ValueError) as err:
-            raise APIError(400, str(err), "system" if "shared prefix" in str(err) else "documents") from None
-        added = server.tenants.index.add(tenant.name, documents)
-        server.metrics.requests.labels("/v1/ingest", "200").inc()
-        return {"object": "ingest", "documents": len(documents), "indexed": added, "keys": [k.hex() for k in keys]}
+    add_document_routes(app, server)
 
     async def respond(request: Request, engine: Engine, planned: Planned, kind: str):
         job, pieces = await server.run(engine, planned, request.is_disconnected)

@@ -108,18 +108,27 @@ class RemoteEngine:
 
     def ingest(self, texts: Sequence[str], *, progress: bool = False, owners: Sequence[str] | None = None,
                groups: Sequence[str | None] | None = None) -> list[bytes]:
-        """The texts' caches computed and stored by the server; `owners` and `groups` are not tracked from
-        here (a remote store's users are the server's): deletes stay local to the app's vector store."""
-        reply = self._http.post(self.url + "/v1/ingest", json={"documents": list(texts)})
+        """The texts' caches computed and stored by the server, each under its owner's id (default: the
+        sha256 of its text) and group, which `release` deletes there."""
+        body = {"documents": list(texts), **({"ids": list(owners)} if owners is not None else {}),
+                **({"groups": list(groups)} if groups is not None else {})}
+        reply = self._http.post(self.url + "/v1/ingest", json=body)
         if reply.status_code != 200:
             raise RuntimeError(f"{self.url} refused the documents ({reply.status_code}): {reply.text[:300]}")
         return [bytes.fromhex(k) for k in reply.json()["keys"]]
 
     def owners_of(self, group: str) -> list[str]:
-        return []
+        return []  # the server does not list a group's ids: `release(group=...)` deletes them there
 
     def release(self, owners: Sequence[str] = (), group: str | None = None) -> int:
-        return 0
+        """The server's `POST /v1/documents/delete`: how many entries it deleted."""
+        if not owners and group is None:
+            return 0
+        body = {"ids": list(owners), **({"group": group} if group is not None else {})}
+        reply = self._http.post(self.url + "/v1/documents/delete", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"{self.url} refused the delete ({reply.status_code}): {reply.text[:300]}")
+        return int(reply.json()["deleted_entries"])
 
 
 def engine_or_remote(engine, api_key: str | None = None):

@@ -22,6 +22,7 @@ from .protocol import KVStore, Slot
 
 SHARED = ""  # the namespace of the store itself: the operator's corpus, readable by every tenant
 _MARK = "\x00cacheclip-namespace:"
+_FORGOTTEN = "\x00cacheclip-forgotten:"  # a tombstone in the texts' log (`texts`)
 
 
 def namespace_key(namespace: str, key: bytes) -> bytes:
@@ -91,14 +92,24 @@ class NamespacedStore:
     def quarantine(self, key: bytes, why: str) -> None:
         self.inner.quarantine(namespace_key(self.namespace, key), why)
 
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.inner.delete(self._own(keys))
+
+    def forget_texts(self, digests: Sequence[bytes]) -> list[bytes]:
+        raise TypeError("a namespace's texts are forgotten by releasing their owners (release)")
+
     def keys(self) -> Iterator[bytes]:
         return self.inner.keys()
 
     def _owner(self, name: str) -> str:
         return name if self.namespace == SHARED else f"{self.namespace}\x00{name}"
 
-    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
-        self.inner.retain(self._owner(owner), self._own(keys), None if group is None else self._owner(group))
+    def retain(self, owner: str, keys: Sequence[bytes] = (), group: str | None = None, text: str | None = None) -> None:
+        self.inner.retain(self._owner(owner), self._own(keys), None if group is None else self._owner(group),
+                          None if text is None else marked(self.namespace, text))
+
+    def record_entries(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> None:
+        self.inner.record_entries([(marked(self.namespace, t), self._own(keys)) for t, keys in items])
 
     def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
         return self.inner.release([self._owner(o) for o in owners], None if group is None else self._owner(group))
@@ -115,4 +126,4 @@ class NamespacedStore:
         return [t for n, t in map(split_marked, texts) if n == self.namespace], cursor
 
     def texts(self) -> list[str]:
-        return self.texts_since(0)[0]
+        return [t for t in self.texts_since(0)[0] if not t.startswith(_FORGOTTEN)]

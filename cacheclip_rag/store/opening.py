@@ -185,7 +185,7 @@ class Opening:
                 txn.put(b"format", _MARKER, db=self._dbs[META], overwrite=False)
 
     def _refuse_foreign(self) -> None:
-        """An existing LMDB whose main table names anything but our four tables is another program's:
+        """An existing LMDB whose main table names anything but our tables is another program's:
         refuse it before a single table is added to it (opening the environment wrote nothing to it).
         Read through this environment: a second one on the same files in one process would drop
         LMDB's per-process file locks when closed."""

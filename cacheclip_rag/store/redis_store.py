@@ -16,7 +16,6 @@ Needs `pip install 'cacheclip-rag[redis]'`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import logging
@@ -28,6 +27,7 @@ import torch
 from .entry import ChunkEntry, encode_entry, parse_entry
 from .errors import CorruptEntryError, StoreError, StoreFullError, StoreUnavailableError
 from .protocol import Slot, misfit
+from .redis_owners import RedisOwners
 from .tally import record_read
 from .tiered_store import TieredStore  # noqa: F401 - the tier over Redis, importable from here
 
@@ -79,7 +79,7 @@ def _redis():
     return redis
 
 
-class RedisStore:
+class RedisStore(RedisOwners):
     """`KVStore` on a Redis server. Thread-safe (redis-py's connection pool)."""
 
     def __init__(self, url: str, namespace: str = "cacheclip", part_bytes: int = 32 << 20, timeout_s: float = 5.0):
@@ -289,72 +289,21 @@ class RedisStore:
                                 "key", self.url, name, self.namespace)
         return iter(keys)
 
-    # ---- chunk texts (what servers recognise in prompts), shared by every replica -----------------
-
-    def remember_texts(self, texts: Sequence[str]) -> None:
-        """Each new text in a hash by its digest, and its digest appended to a log (`texts_since`)."""
-        for text in dict.fromkeys(texts):
-            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-            if self._call(self.client.hsetnx, f"{self.namespace}:texts", digest, text.encode("utf-8", "surrogatepass")):
-                self._call(self.client.rpush, f"{self.namespace}:textlog", digest)
-
-    def texts_since(self, cursor: int = 0) -> tuple[list[str], int]:
-        digests = self._call(self.client.lrange, f"{self.namespace}:textlog", cursor, -1)
-        if not digests:
-            return [], cursor
-        values = self._call(self.client.hmget, f"{self.namespace}:texts", digests)
-        return [v.decode("utf-8", "surrogatepass") for v in values if v is not None], cursor + len(digests)
-
-    def texts(self) -> list[str]:
-        return self.texts_since(0)[0]
-
-    # ---- owners (see store.owners): a hash of counts, a record per owner, a set per group ---------
-
-    def _owner(self, owner: str) -> bytes:
-        return f"{self.namespace}:own:".encode() + owner.encode("utf-8", "surrogatepass")
-
-    def _group(self, group: str) -> bytes:
-        return f"{self.namespace}:grp:".encode() + group.encode("utf-8", "surrogatepass")
-
-    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
-        record = json.dumps({"keys": [k.hex() for k in dict.fromkeys(keys)], "group": group}).encode()
-        if not self._call(lambda: self.client.set(self._owner(owner), record, nx=True)):  # retained already
-            return
-        pipe = self.client.pipeline(transaction=True)
-        for key in dict.fromkeys(keys):
-            pipe.hincrby(f"{self.namespace}:refs", key.hex(), 1)
-        if group is not None:
-            pipe.sadd(self._group(group), owner)
-        self._call(pipe.execute)
-
-    def owners_of(self, group: str) -> list[str]:
-        return sorted(m.decode("utf-8", "surrogatepass") for m in self._call(self.client.smembers, self._group(group)))
-
-    def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
-        owners = list(owners) + (self.owners_of(group) if group is not None else [])
-        deleted: list[bytes] = []
-        for owner in dict.fromkeys(owners):
-            raw = self._call(self.client.getdel, self._owner(owner))
-            if raw is None:
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove entries (a manifest and its parts); returns how many existed."""
+        gone = 0
+        for key in keys:
+            head = self._call(self.client.getdel, self._entry(key))
+            if head is None:
                 continue
-            record = json.loads(raw)
-            if record.get("group") is not None:
-                self._call(self.client.srem, self._group(record["group"]), owner)
-            for hexkey in record["keys"]:
-                if self._call(self.client.hincrby, f"{self.namespace}:refs", hexkey, -1) > 0:
+            gone += 1
+            if head.startswith(_MANIFEST):
+                try:
+                    manifest = parse_manifest(head)
+                except CorruptEntryError:
                     continue
-                self._call(self.client.hdel, f"{self.namespace}:refs", hexkey)
-                key = bytes.fromhex(hexkey)
-                head = self._call(self.client.getdel, self._entry(key))
-                if head is not None:
-                    deleted.append(key)
-                    if head.startswith(_MANIFEST):
-                        try:
-                            manifest = parse_manifest(head)
-                        except CorruptEntryError:
-                            continue
-                        self._forget_parts(key, manifest["token"], manifest["parts"])
-        return deleted
+                self._forget_parts(key, manifest["token"], manifest["parts"])
+        return gone
 
     def quarantine(self, key: bytes, why: str) -> None:
         log.error("redis %s: entry %s is unusable (%s); quarantined, it will be recomputed", self.url, key.hex(), why)

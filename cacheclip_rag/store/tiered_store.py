@@ -16,6 +16,7 @@ from .entry import ChunkEntry, as_stored
 from .errors import StoreError, StoreFullError, StoreUnavailableError
 from .lmdb_store import LMDBStore
 from .protocol import KVStore, Slot, misfit
+from .texts import digest_ref, is_text_ref, ref_digest
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +142,40 @@ class TieredStore:
     def texts(self) -> list[str]:
         return list(dict.fromkeys([*self.local.texts(), *self.texts_since(0)[0]]))
 
-    # who uses an entry is recorded by the local tier (the shared one serves other deployments too)
-    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
-        self.local.retain(owner, keys, group)
+    # who uses an entry is recorded by the local tier (the shared one serves other deployments too); what a
+    # release deletes goes from both, and a forgotten text's tombstone reaches the other replicas' indexes
+    def retain(self, owner: str, keys: Sequence[bytes] = (), group: str | None = None, text: str | None = None) -> None:
+        self.local.retain(owner, keys, group, text)
+
+    def record_entries(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> None:
+        self.local.record_entries(items)
 
     def owners_of(self, group: str) -> list[str]:
         return self.local.owners_of(group)
 
     def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
-        return self.local.release(owners, group)
+        deleted = self.local.release(owners, group)
+        self._forward(deleted)
+        return deleted
+
+    def forget_texts(self, digests: Sequence[bytes]) -> list[bytes]:
+        deleted = self.local.forget_texts(digests)
+        self._forward(deleted + [digest_ref(d) for d in digests])
+        return deleted
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        gone = self.local.delete(keys)
+        self._forward(list(keys))
+        return gone
+
+    def _forward(self, deleted: list[bytes]) -> None:
+        """What the local tier deleted or forgot, gone from the shared tier too (a shared tier that is
+        down keeps its copies: logged, they go when it is asked again)."""
+        try:
+            self.remote.delete([k for k in deleted if not is_text_ref(k)])
+            self.remote.forget_texts([ref_digest(k) for k in deleted if is_text_ref(k)])
+        except StoreError as err:
+            log.warning("shared store down: %d deleted entries and texts remain there (%s)", len(deleted), err)
 
     def stats(self) -> dict:
         return {**self.local.stats(), "local_hits": self.local_hits, "remote_hits": self.remote_hits,

@@ -160,8 +160,20 @@ class _Tier:
     def contains(self, key: bytes) -> bool:
         return self.store.contains(key)
 
-    def retain(self, owner: str, keys: Sequence[bytes], group: str | None = None) -> None:
-        self.store.retain(owner, keys, group)
+    def retain(self, owner: str, keys: Sequence[bytes] = (), group: str | None = None, text: str | None = None) -> None:
+        self.store.retain(owner, keys, group, text)
+
+    def record_entries(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> None:
+        self.store.record_entries(items)
+
+    def forget_texts(self, digests: Sequence[bytes]) -> list[bytes]:
+        deleted = self.store.forget_texts(digests)
+        self._lru.drop(deleted)
+        return deleted
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        self._lru.drop(keys)
+        return self.store.delete(keys)
 
     def remember_texts(self, texts: Sequence[str]) -> None:
         self.store.remember_texts(texts)
