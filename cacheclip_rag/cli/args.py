@@ -214,6 +214,8 @@ def check_serve(args: argparse.Namespace) -> None:
         fail(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
     if not args.header_timeout_s > 0 or args.max_connections < 1:
         fail("--header-timeout-s must be > 0 and --max-connections >= 1")
+    if args.max_connections_per_client < 0 or (args.max_queued_per_client or 0) < 0:
+        fail("--max-connections-per-client and --max-queued-per-client must be >= 0 (0: no limit)")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key and args.keys is None:
         print(f"warning: serving on {args.host} without --api-key: anyone who reaches it can use the model",
               file=sys.stderr)
@@ -322,6 +324,11 @@ def parser() -> argparse.ArgumentParser:
     serving.add_argument("--header-timeout-s", type=float, default=10.0,
                          help="close a connection whose request headers take longer")
     serving.add_argument("--max-connections", type=int, default=256, help="open connections before 503")
+    serving.add_argument("--max-connections-per-client", type=int, default=64,
+                         help="open connections from one address before 503 (0: no limit; raise it behind a proxy)")
+    serving.add_argument("--max-queued-per-client", type=int, default=None,
+                         help="requests one API key, and one address, may have waiting or running before 429 "
+                              "(default: half of --max-queue; 0: no limit)")
     serving.add_argument("--timeout-s", type=float, default=600.0, help="per request")
 
     query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))

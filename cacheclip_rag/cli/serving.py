@@ -18,6 +18,8 @@ def run(args: argparse.Namespace) -> int:
                               min_recompute_tokens=args.min_recompute_tokens, max_queue=args.max_queue, max_batch=args.max_batch,
                               max_body_bytes=int(args.max_body_mb * (1 << 20)), max_prompt_chars=args.max_prompt_chars,
                               header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
+                              max_connections_per_client=args.max_connections_per_client,
+                              max_queued_per_client=args.max_queued_per_client,
                               timeout_s=args.timeout_s)
     engine = Engine.from_config(engine_config(args))
     serve(engine, settings, host=args.host, port=args.port)

@@ -31,6 +31,7 @@ from .layouts import Defaults, Planned, plan_chat, plan_completion, stream_plan
 from .metrics import Metrics
 from .requests import APIError, chat_request, completion_request, parse_json
 from .keys import OPERATOR, Tenant
+from .limits import ClientSlots
 from .tenants import Tenants
 from .worker import DONE, Job, QueueFull, Worker, off_worker
 
@@ -47,6 +48,7 @@ class ServerSettings:
     selection: str = DEFAULT_SELECTION  # cacheclip's selection ("aux": the paper's aux selection)
     min_recompute_tokens: int = MIN_RECOMPUTE_TOKENS  # cacheclip's short-prompt floor (RequestOptions')
     max_queue: int = 8
+    max_queued_per_client: int | None = None  # one key's, and one address's (default: half of max_queue, >= 1; 0: none)
     max_batch: int = 8  # running requests whose decode steps run as one forward
     max_body_bytes: int = 8 << 20  # refused while reading (413)
     max_prompt_chars: int | None = None  # refused before tokenizing (default: 16 characters a context token)
@@ -56,6 +58,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # between two parts of a body (408)
     header_timeout_s: float = 10.0  # to send a request's headers (`serve`: the connection is closed)
     max_connections: int = 256  # open connections and running tasks (`serve`: beyond it, 503)
+    max_connections_per_client: int = 64  # open connections from one address (`serve`: beyond it, 503; 0: none)
     timeout_s: float = 600.0
     default_max_tokens: int = 256
     index_refresh_s: float = 2.0  # how often new texts in the store are indexed for recognition
@@ -67,9 +70,15 @@ class ServerSettings:
             raise ValueError("max_queue >= 1, max_batch >= 1, max_body_bytes >= 1 KiB and timeout_s > 0 are required")
         if self.api_keys and self.tenant_keys:
             raise ValueError("give API keys either as api_keys (one tenant) or as tenant_keys, not both")
+        if self.max_connections_per_client < 0 or (self.max_queued_per_client or 0) < 0:
+            raise ValueError("the per-client limits must be >= 0 (0: no limit)")
         limits = (self.max_ingest_documents, self.max_document_chars, self.max_system_chars, self.max_connections)
         if min(limits) < 1 or not self.body_timeout_s > 0 or not self.header_timeout_s > 0:
             raise ValueError("the ingest limits, max_connections and the timeouts must be positive")
+
+    @property
+    def queued_per_client(self) -> int:
+        return max(1, self.max_queue // 2) if self.max_queued_per_client is None else self.max_queued_per_client
 
     @property
     def keys(self) -> dict[str, Tenant]:
@@ -83,6 +92,7 @@ class Server:
         self.engine, self.settings = engine, settings
         self.tenants = Tenants(engine, settings.keys, settings.index_refresh_s)
         self.worker = Worker(settings.max_queue, settings.max_batch)
+        self.slots = ClientSlots(settings.queued_per_client)
         self.metrics = Metrics()
         # read from the worker at each scrape: true whatever ended a request (finished, cancelled, a client gone,
         # timed out); a gauge set on events stayed at 1-3 for minutes after dropped streams
@@ -155,13 +165,26 @@ class Server:
             return lambda: engine.complete(planned.prompt_ids or planned.prompt, planned.options)
         return lambda: stream_plan(engine, planned.plan, planned.options)
 
-    async def run(self, engine: Engine, planned: Planned, disconnected) -> tuple[Job, AsyncIterator[str]]:
-        job = Job(self.start(engine, planned), asyncio.get_running_loop(), self.settings.timeout_s)
+    def client(self, request: Request) -> tuple[str, ...]:
+        """The names a request's queue slots are counted under: its key (where keys are in use), its address."""
+        header = request.headers.get("authorization", "") if self.tenants.keys else ""
+        return ClientSlots.names(header[7:].strip() or None, request.client.host if request.client else None)
+
+    async def run(self, engine: Engine, planned: Planned, request: Request) -> tuple[Job, AsyncIterator[str]]:
+        client = self.client(request)
+        if not self.slots.take(client):
+            raise APIError(429, f"this client already has {self.slots.per_client} requests waiting or running, the "
+                           "most one API key or address may have; send the next when one ends",
+                           kind="rate_limit_error", code="client_queue_full", headers={"Retry-After": "1"})
+        job = Job(self.start(engine, planned), asyncio.get_running_loop(), self.settings.timeout_s,
+                  on_end=lambda: self.slots.give(client))
         try:
             self.worker.submit(job)
         except QueueFull as err:
+            self.slots.give(client)
             raise APIError(429, str(err), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(err.retry_after_s)}) from None
+        disconnected = request.is_disconnected
 
         async def pieces() -> AsyncIterator[str]:
             try:
@@ -259,7 +282,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     add_document_routes(app, server)
 
     async def respond(request: Request, engine: Engine, planned: Planned, kind: str):
-        job, pieces = await server.run(engine, planned, request.is_disconnected)
+        job, pieces = await server.run(engine, planned, request)
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
 
@@ -340,14 +363,16 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
 def uvicorn_config(app: FastAPI, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                    log_level: str = "info"):
-    """uvicorn's settings for the app: the header timeout (`protocol.TimedH11Protocol`), idle keep-alive
-    connections closed after 5 s, at most `max_connections` connections and tasks (then 503)."""
+    """uvicorn's settings for the app: the header timeout and the connections per address
+    (`protocol.TimedH11Protocol`), idle keep-alive connections closed after 5 s, at most `max_connections`
+    connections and tasks (then 503)."""
     import uvicorn
 
     from .protocol import timed_protocol
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          http=timed_protocol(settings.header_timeout_s), timeout_keep_alive=5,
+                          http=timed_protocol(settings.header_timeout_s, settings.max_connections_per_client),
+                          timeout_keep_alive=5,
                           limit_concurrency=settings.max_connections)
 
 

@@ -63,6 +63,7 @@ class Job:
     answer: Answer | None = None
     error: BaseException | None = None
     submitted: float = field(default_factory=time.monotonic)
+    on_end: Callable[[], None] | None = None  # called on the worker's thread once the job has ended, whatever ended it
 
     def emit(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -195,6 +196,8 @@ class Worker:
         with self._lock:  # the slot is free before the client hears the end (a depth read then sees it)
             self._active -= 1
             self._recent_s = 0.8 * self._recent_s + 0.2 * (time.monotonic() - r.started)
+        if r.job.on_end is not None:
+            r.job.on_end()
         r.job.emit(DONE)
 
     def close(self) -> None:
