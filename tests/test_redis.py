@@ -234,7 +234,7 @@ def test_bad_url_and_a_dead_server_give_clear_errors_not_hangs(redis_server, tmp
 
 def test_engine_config_opens_redis_and_tiered_stores(redis_server, tmp_path):
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.engine import open_store
+    from cacheclip_rag.store.factory import open_store
 
     assert isinstance(open_store(redis_server.unix_url), RedisStore)
     tiered = open_store(tmp_path / "local", redis_server.tcp_url)

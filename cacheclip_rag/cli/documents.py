@@ -157,7 +157,7 @@ def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[s
     from functools import partial
 
     from ..distributed import ingest_on_ray
-    from ..engine import open_store
+    from ..store.factory import open_store
     from ..models import load_model
 
     store = partial(open_store, config.store_path, config.shared_store)

@@ -19,7 +19,6 @@ one key behaves as it did before tenants existed.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import threading
 from collections import OrderedDict
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 
 from ..engine import Engine
 from ..recognize import Match, StoreIndex
-from ..store.namespaced import NamespacedStore
 from .keys import SHARED, Tenant
 
 MAX_VIEWS = 256  # (tenant, salt) engine views kept; a view is a few small objects over the shared models
@@ -73,9 +71,7 @@ class Tenants:
             if namespace in self._views:
                 self._views.move_to_end(namespace)
                 return self._views[namespace]
-            view = copy.copy(self.engine)  # the same models and settings; its own store view
-            view.store = NamespacedStore(self.engine.store, namespace, readable)
-            view._index = None
+            view = self.engine.in_namespace(namespace, readable)
             self._views[namespace] = view
             while len(self._views) > MAX_VIEWS:
                 self._views.popitem(last=False)

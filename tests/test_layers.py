@@ -1,0 +1,80 @@
+"""The package's dependencies run one way (docs/guide.md, "Layout"): entry points (cli, serve, integrations,
+evaluation, transfer, distributed) -> engine -> methods -> stages (load, select, group, recompute, planning,
+decode) -> store and models; no module imports one above it, and there are no import circles. Read from the
+source with `ast` (imports inside functions count too), so a new module or import is checked at once."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = {"cli", "serve", "integrations", "evaluation", "transfer", "distributed", "handbook", "testing"}
+BOTTOM = {"store", "models", "embedded", "sources", "packed_linear", "cpu_kernels", "openmp_pools", "config", "kernels"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in ((ROOT / "cacheclip_rag", "cacheclip_rag"), (ROOT / "integrations", "cacheclip_rag.integrations"),
+                            (ROOT / "kernels", "cacheclip_rag.kernels")):
+        for file in folder.rglob("*.py"):
+            parts = file.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            out[name.removesuffix(".__init__")] = file
+    return out
+
+
+def imports(name: str, file: Path, known: dict[str, Path]) -> set[str]:
+    package = name if file.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            candidates = [f"{target}.{a.name}" for a in node.names] + ([target] if node.module else [])
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c in known and c not in (name, "cacheclip_rag")}
+    return found
+
+
+def rank(module: str) -> int:
+    top = module.split(".")[1]
+    return 0 if top in ENTRY else 1 if top == "engine" else 2 if top == "methods" else 4 if top in BOTTOM else 3
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, file, known) for name, file in known.items() if name != "cacheclip_rag"}
+
+
+def test_no_module_imports_one_above_it():
+    upward = [(m, t) for m, targets in graph().items() for t in targets if rank(t) < rank(m)]
+    assert upward == []
+
+
+def test_there_are_no_import_circles():
+    edges, circles = graph(), []
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert circles == []
+
+
+def test_the_checker_sees_an_upward_import():
+    """A test that can fail: a stage importing the engine is caught."""
+    fake = {"cacheclip_rag.selection": {"cacheclip_rag.engine"}}
+    assert [(m, t) for m, ts in fake.items() for t in ts if rank(t) < rank(m)] == [("cacheclip_rag.selection",
+                                                                                     "cacheclip_rag.engine")]
+    assert "cacheclip_rag.engine" in graph()["cacheclip_rag.serve.app"]
