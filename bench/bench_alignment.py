@@ -15,10 +15,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cacheclip_rag.config import EngineConfig
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.evaluation.runner import alignment_study
 from cacheclip_rag.evaluation.stats import bootstrap_ci
-from cacheclip_rag.models import load_model
+from cacheclip_rag.models.loading import load_model
 from cacheclip_rag.store import LMDBStore
 
 

@@ -31,11 +31,11 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.attention import use_cacheclip_attention  # noqa: E402
-from cacheclip_rag.batching import RowsRequest, forward_rows  # noqa: E402
-from cacheclip_rag.ingest import new_cache  # noqa: E402
-from cacheclip_rag.models import load_model  # noqa: E402
-from cacheclip_rag.recompute import forward_at  # noqa: E402
+from cacheclip_rag.stages.recompute.attention import use_cacheclip_attention  # noqa: E402
+from cacheclip_rag.stages.decode.batching import RowsRequest, forward_rows  # noqa: E402
+from cacheclip_rag.stages.load.ingest import new_cache  # noqa: E402
+from cacheclip_rag.models.loading import load_model  # noqa: E402
+from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 
 
 @torch.inference_mode()

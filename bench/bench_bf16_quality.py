@@ -26,13 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import teacher_forced_fidelity  # noqa: E402
 from cacheclip_rag.evaluation.records import token_counter  # noqa: E402
 from cacheclip_rag.evaluation.runner import PROFILES, decode_budget, jobs_of, ruler_engine  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci, paired_bootstrap_ci  # noqa: E402
-from cacheclip_rag.models import load_model  # noqa: E402
+from cacheclip_rag.models.loading import load_model  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 
 

@@ -23,8 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag import cpu_kernels  # noqa: E402
-from cacheclip_rag.blocked_attention import blocked_attention, row_blocks  # noqa: E402
+from cacheclip_rag.models import cpu_kernels  # noqa: E402
+from cacheclip_rag.stages.recompute.blocked_attention import blocked_attention, row_blocks  # noqa: E402
 
 SHAPES = {"qwen2.5-coder-0.5b": (14, 2, 64), "qwen2.5-coder-1.5b": (12, 2, 128)}
 

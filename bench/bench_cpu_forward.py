@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.ingest import kv_layout, new_cache  # noqa: E402
-from cacheclip_rag.models import LoadedModel, cpu_has_native_bf16, load_model, text_config  # noqa: E402
-from cacheclip_rag.packed_linear import PackedLinear  # noqa: E402
-from cacheclip_rag.recompute import forward_at  # noqa: E402
+from cacheclip_rag.stages.load.ingest import kv_layout, new_cache  # noqa: E402
+from cacheclip_rag.models.loading import LoadedModel, cpu_has_native_bf16, load_model, text_config  # noqa: E402
+from cacheclip_rag.models.packed_linear import PackedLinear  # noqa: E402
+from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 
 LINEARS = (torch.nn.Linear, PackedLinear)
 

@@ -30,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag import cpu_kernels  # noqa: E402
+from cacheclip_rag.models import cpu_kernels  # noqa: E402
 from cacheclip_rag.cli import demo_chunks  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
-from cacheclip_rag.models import load_model  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
+from cacheclip_rag.models.loading import load_model  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 
 

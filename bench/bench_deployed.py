@@ -40,15 +40,15 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag import blend  # noqa: E402
+from cacheclip_rag.stages.load import blend  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, Case, case, strict_score  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import first_token_kl, teacher_forced_fidelity  # noqa: E402
 from cacheclip_rag.evaluation.stats import paired_bootstrap_ci, ratio_of_means, wilson_interval  # noqa: E402
-from cacheclip_rag.request import Prefill, Timings  # noqa: E402
-from cacheclip_rag.selection import question_attention, question_scores  # noqa: E402
-from cacheclip_rag.spread import answer_spread  # noqa: E402
+from cacheclip_rag.stages.request import Prefill, Timings  # noqa: E402
+from cacheclip_rag.stages.select.selection import question_attention, question_scores  # noqa: E402
+from cacheclip_rag.methods.spread import answer_spread  # noqa: E402
 
 MAX_NEW = 40
 ATTENDED = 2.0  # a chunk is attended when its share of the question's attention is at least this x the mean

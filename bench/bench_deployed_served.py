@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.config import EngineConfig  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, case, strict_score  # noqa: E402
 from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
 from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402

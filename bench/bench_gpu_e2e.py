@@ -34,9 +34,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine, default_kernel
+from cacheclip_rag.engine.core import Engine, default_kernel
 from cacheclip_rag.evaluation.ruler import prose_sentence
-from cacheclip_rag.models import LoadedModel, PromptFormat
+from cacheclip_rag.models.loading import LoadedModel, PromptFormat
 from cacheclip_rag.store import LMDBStore
 from cacheclip_rag.testing import tiny_config, tiny_tokenizer
 from cacheclip_rag.store.tiers import DeviceTier, HostTier

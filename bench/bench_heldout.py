@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import teacher_forced_fidelity  # noqa: E402
 from cacheclip_rag.evaluation.ruler import chunk_sentences  # noqa: E402
 from cacheclip_rag.evaluation.runner import VARIANTS  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci, paired_bootstrap_ci, sign_test  # noqa: E402
-from cacheclip_rag.models import load_model  # noqa: E402
+from cacheclip_rag.models.loading import load_model  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "tqdm", "openai", "fastapi", "pydantic", "redis", "langsmith", "numpy",

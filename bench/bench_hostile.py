@@ -22,7 +22,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cacheclip_rag.recognize import ChunkIndex  # noqa: E402
+from cacheclip_rag.engine.recognize import ChunkIndex  # noqa: E402
 
 
 def cpu(fn, repeats: int = 1) -> float:
@@ -60,7 +60,7 @@ def health_rows() -> list[dict]:
     import uvicorn
 
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config
     from cacheclip_rag.store import LMDBStore
     from cacheclip_rag.testing import tiny_model

@@ -43,9 +43,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.cache import BlendedCache  # noqa: E402
+from cacheclip_rag.stages.cache import BlendedCache  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci  # noqa: E402
-from cacheclip_rag.rope import rotate_keys_  # noqa: E402
+from cacheclip_rag.stages.load.rope import rotate_keys_  # noqa: E402
 from cacheclip_rag.store import ChunkEntry, LMDBStore, entry_key  # noqa: E402
 from cacheclip_rag.store.entry import split_entry  # noqa: E402
 from cacheclip_rag.store.tiers import HostTier  # noqa: E402

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
 from cacheclip_rag.evaluation.runner import token_counter
-from cacheclip_rag.models import load_model
-from cacheclip_rag.selection import aux_attention
+from cacheclip_rag.models.loading import load_model
+from cacheclip_rag.stages.select.selection import aux_attention
 from cacheclip_rag.store import LMDBStore
 
 VARIANTS = {  # label -> (engine, request options besides the ratio)

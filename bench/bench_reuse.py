@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import QUESTIONS, engine_with, handbook_chunks, median_of  # noqa: E402
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.models import load_model
+from cacheclip_rag.models.loading import load_model
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Attention by row blocks on the CPU (`cacheclip_rag.blocked_attention`), on and off side by side in one run.
+"""Attention by row blocks on the CPU (`cacheclip_rag.stages.recompute.blocked_attention`), on and off side by side in one run.
 
 Two cases, each paired (the same request with blocks and with one sdpa over every key, rotating which runs
 first):
@@ -28,15 +28,15 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag import blocked_attention  # noqa: E402
+from cacheclip_rag.stages.recompute import blocked_attention  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import first_token_kl  # noqa: E402
 from cacheclip_rag.evaluation.runner import token_counter  # noqa: E402
-from cacheclip_rag.ingest import new_cache  # noqa: E402
-from cacheclip_rag.models import load_model  # noqa: E402
-from cacheclip_rag.recompute import forward_at  # noqa: E402
+from cacheclip_rag.stages.load.ingest import new_cache  # noqa: E402
+from cacheclip_rag.models.loading import load_model  # noqa: E402
+from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 
 TASKS = ("single2", "multikey2", "multivalue", "multiquery")

@@ -35,8 +35,8 @@ import httpx  # noqa: E402
 
 from cacheclip_rag.cli import demo_chunks  # noqa: E402
 from cacheclip_rag.config import EngineConfig  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
-from cacheclip_rag.recognize import ChunkIndex  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
+from cacheclip_rag.engine.recognize import ChunkIndex  # noqa: E402
 
 SYSTEM = ("You are an assistant for question-answering tasks. Use the following pieces of retrieved context to "
           "answer the question.\n\n")

@@ -71,8 +71,8 @@ def served(tree: str | None, store: str, pool: list[str], requests: int, tokens:
 
 def engine_alone(store: str, pool: list[str], requests: int, tokens: int) -> list[dict]:
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
-    from cacheclip_rag.models import load_model
+    from cacheclip_rag.engine.core import Engine
+    from cacheclip_rag.models.loading import load_model
     from cacheclip_rag.store import LMDBStore
 
     engine = Engine(primary=load_model("qwen2.5-coder-0.5b"), aux=None, store=LMDBStore(store),

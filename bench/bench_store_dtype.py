@@ -19,12 +19,12 @@ import torch
 from tqdm.auto import tqdm
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
 from cacheclip_rag.evaluation.runner import ruler_engine, token_counter
 from cacheclip_rag.evaluation.stats import bootstrap_ci
-from cacheclip_rag.models import load_model
+from cacheclip_rag.models.loading import load_model
 from cacheclip_rag.store import LMDBStore
 
 DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.evaluation.stats import bootstrap_ci  # noqa: E402
-from cacheclip_rag.ingest import SHARED, precompute  # noqa: E402
+from cacheclip_rag.stages.load.ingest import SHARED, precompute  # noqa: E402
 from cacheclip_rag.store.redis_store import RedisStore, TieredStore  # noqa: E402
 from cacheclip_rag.store import ChunkEntry, LMDBStore, as_stored, entry_key  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cacheclip_rag.cli import demo_chunks  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import first_token_kl  # noqa: E402
-from cacheclip_rag.models import LoadedModel, load_model  # noqa: E402
+from cacheclip_rag.models.loading import LoadedModel, load_model  # noqa: E402
 from cacheclip_rag.transfer import Conversation, TransferConfig, calibrate  # noqa: E402
 
 

@@ -45,7 +45,7 @@ from bench_transfer import calibration_texts, switch  # noqa: E402
 
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
-from cacheclip_rag.models import LoadedModel, load_model  # noqa: E402
+from cacheclip_rag.models.loading import LoadedModel, load_model  # noqa: E402
 from cacheclip_rag.transfer import Conversation, TransferConfig, calibrate  # noqa: E402
 from cacheclip_rag.transfer import mapper as mapper_module  # noqa: E402
 

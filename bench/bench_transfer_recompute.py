@@ -37,11 +37,11 @@ from bench_transfer import calibration_texts  # noqa: E402
 from bench_transfer_qwen import kv_on_disk, mapper_label, write_rows  # noqa: E402
 
 from cacheclip_rag.config import EngineConfig, default_cache_dir  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import report, ruler, runner  # noqa: E402
 from cacheclip_rag.evaluation.profiles import Profile  # noqa: E402
-from cacheclip_rag.ingest import precompute  # noqa: E402
-from cacheclip_rag.models import LoadedModel, load_model  # noqa: E402
+from cacheclip_rag.stages.load.ingest import precompute  # noqa: E402
+from cacheclip_rag.models.loading import LoadedModel, load_model  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.transfer import Mapper, TransferConfig, calibrate, migrate  # noqa: E402
 from cacheclip_rag.transfer import mapper as mapper_module  # noqa: E402

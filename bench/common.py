@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from cacheclip_rag.cli import demo_chunks
 from cacheclip_rag.config import EngineConfig
-from cacheclip_rag.engine import Engine
-from cacheclip_rag.models import LoadedModel
+from cacheclip_rag.engine.core import Engine
+from cacheclip_rag.models.loading import LoadedModel
 from cacheclip_rag.store import LMDBStore
 
 QUESTIONS = (

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.config import RequestOptions  # noqa: E402
 from cacheclip_rag.evaluation import report, ruler, runner  # noqa: E402
-from cacheclip_rag.spread import answer_spread  # noqa: E402
+from cacheclip_rag.methods.spread import answer_spread  # noqa: E402
 
 BASE, DEFAULT = "cacheclip_requery", "cacheclip_spread"
 RATIO = RequestOptions().ratio  # the ratio a request without options asks for
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", default="qwen2.5-coder-0.5b", help="the primary whose tokens sized the chunks")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
-    from cacheclip_rag.models import load_model
+    from cacheclip_rag.models.loading import load_model
 
     lm = load_model(args.tokenizer)
     count = functools.lru_cache(maxsize=None)(lambda text: len(lm.encode(text)))

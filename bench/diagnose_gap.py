@@ -34,14 +34,14 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.cache import BlendedCache  # noqa: E402
+from cacheclip_rag.stages.cache import BlendedCache  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.runner import decode_budget, ruler_engine, token_counter  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci  # noqa: E402
-from cacheclip_rag.models import layer_types  # noqa: E402
-from cacheclip_rag.recompute import forward_at  # noqa: E402
+from cacheclip_rag.models.loading import layer_types  # noqa: E402
+from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 
 FIRST = 4
 

@@ -30,13 +30,13 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag import blend  # noqa: E402
+from cacheclip_rag.stages.load import blend  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.runner import decode_budget, ruler_engine, token_counter  # noqa: E402
-from cacheclip_rag.request import Prefill, Timings  # noqa: E402
-from cacheclip_rag.selection import question_attention  # noqa: E402
+from cacheclip_rag.stages.request import Prefill, Timings  # noqa: E402
+from cacheclip_rag.stages.select.selection import question_attention  # noqa: E402
 
 CONDITIONS = ("default", "values_added", "value_chunks")
 

@@ -47,14 +47,14 @@ from diagnose_multichunk import (  # noqa: E402
     value_rows,
 )
 
-from cacheclip_rag import blend  # noqa: E402
+from cacheclip_rag.stages.load import blend  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.runner import decode_budget, token_counter  # noqa: E402
 from cacheclip_rag.evaluation.stats import sign_test, wilson_interval  # noqa: E402
-from cacheclip_rag.request import Prefill  # noqa: E402
-from cacheclip_rag.selection import SEPARATOR, question_attention, question_scores, to_budget  # noqa: E402
+from cacheclip_rag.stages.request import Prefill  # noqa: E402
+from cacheclip_rag.stages.select.selection import SEPARATOR, question_attention, question_scores, to_budget  # noqa: E402
 
 DEFAULT = "cacheclip_requery"
 

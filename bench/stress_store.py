@@ -189,7 +189,7 @@ def _redis_engine(maxmemory: str, policy: str, part_bytes: int = 32 << 20):
     except ImportError:
         return None, None, None
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.store.redis_store import RedisStore
     from cacheclip_rag.testing import tiny_model
 
@@ -236,7 +236,7 @@ def capped_store_run(requests: int = 20) -> dict:
     """A store at its 1 MiB cap answering requests of every method: failures, and the answers' agreement
     with an uncapped store's."""
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.store import StoreFullError
     from cacheclip_rag.testing import tiny_model
 

@@ -10,11 +10,11 @@ import statistics
 import tempfile
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.evaluation import ruler
 from cacheclip_rag.evaluation.fidelity import first_token_kl
 from cacheclip_rag.evaluation.runner import ruler_engine, token_counter
-from cacheclip_rag.models import load_model
+from cacheclip_rag.models.loading import load_model
 from cacheclip_rag.store import LMDBStore
 
 TEMPERATURES = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)

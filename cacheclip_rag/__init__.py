@@ -23,8 +23,8 @@ from .config import METHODS, EngineConfig, RequestOptions
 
 # the rest import torch and transformers: loaded on first use, so `import cacheclip_rag` (and the CLI's
 # argument checks) take milliseconds, not the ten seconds those imports cost
-_LAZY = {"Answer": "engine", "Engine": "engine", "Stream": "engine", "LoadedModel": "models", "PromptFormat": "models",
-         "load_model": "models", "LMDBStore": "store", "StoreError": "store"}
+_LAZY = {"Answer": "engine.core", "Engine": "engine.core", "Stream": "engine.core", "LoadedModel": "models.loading",
+         "PromptFormat": "models.loading", "load_model": "models.loading", "LMDBStore": "store", "StoreError": "store"}
 
 __all__ = [
     "METHODS", "Answer", "Engine", "EngineConfig", "LMDBStore", "LoadedModel", "PromptFormat",

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .ingest import SHARED, chunk_key, precompute, prefix_cache, storage_dtype, validate_chunks
-from .models import LoadedModel
+from .stages.load.ingest import SHARED, chunk_key, precompute, prefix_cache, storage_dtype, validate_chunks
+from .models.loading import LoadedModel
 
 
 class IngestWorker:

@@ -17,7 +17,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from .models import LoadedModel, PromptFormat
+from .models.loading import LoadedModel, PromptFormat
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Question: what is the special magic number?",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.engine import Answer
-from cacheclip_rag.openmp_pools import to_thread_releasing
+from cacheclip_rag.engine.core import Answer
+from cacheclip_rag.models.openmp_pools import to_thread_releasing
 
 KV_KEY = "cacheclip_kv_key"  # metadata field holding the chunk's KV store key (hex); excluded from LLM/embedding text
 
@@ -16,7 +16,7 @@ _DONE = object()
 async def aiter_in_thread(pieces: Iterator[str]) -> AsyncIterator[str]:
     """Drive a blocking iterator from asyncio's executor threads, yielding each item as soon as it is ready.
     Each step's thread gives its OpenMP pool back: pools left in several executor threads would slow every
-    later step by 15-20% (`cacheclip_rag.openmp_pools`)."""
+    later step by 15-20% (`cacheclip_rag.models.openmp_pools`)."""
     while True:
         piece = await to_thread_releasing(next, pieces, _DONE)
         if piece is _DONE:

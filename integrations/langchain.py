@@ -37,8 +37,8 @@ except ImportError as err:  # pragma: no cover
     raise ImportError("the LangChain integration needs: pip install 'cacheclip-rag[langchain]'") from err
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.engine import Answer, Engine, Stream
-from cacheclip_rag.openmp_pools import to_thread_releasing
+from cacheclip_rag.engine.core import Answer, Engine, Stream
+from cacheclip_rag.models.openmp_pools import to_thread_releasing
 
 from .common import aiter_in_thread
 from .embeddings import minilm_path, warn_beyond_window

@@ -29,7 +29,7 @@ try:
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LangChain integration needs: pip install 'cacheclip-rag[langchain]'") from err
 
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 
 from .common import KV_KEY
 

@@ -15,7 +15,7 @@ except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Answer, Engine, Stream
+from cacheclip_rag.engine.core import Answer, Engine, Stream
 
 from .embeddings import WINDOW, minilm_path, minilm_tokenizer, warn_beyond_window
 

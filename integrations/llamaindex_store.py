@@ -12,8 +12,8 @@ try:
 except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
-from cacheclip_rag.engine import Engine
-from cacheclip_rag.openmp_pools import to_thread_releasing
+from cacheclip_rag.engine.core import Engine
+from cacheclip_rag.models.openmp_pools import to_thread_releasing
 
 from .common import KV_KEY
 

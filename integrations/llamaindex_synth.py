@@ -21,8 +21,8 @@ except ImportError as err:  # pragma: no cover
     raise ImportError("the LlamaIndex integration needs: pip install 'cacheclip-rag[llamaindex]'") from err
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.engine import Engine, Stream
-from cacheclip_rag.openmp_pools import to_thread_releasing
+from cacheclip_rag.engine.core import Engine, Stream
+from cacheclip_rag.models.openmp_pools import to_thread_releasing
 
 from .common import aiter_in_thread, answer_metadata
 from .llamaindex_llm import CacheClipLLM

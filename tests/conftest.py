@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 
 from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.store import LMDBStore
 from cacheclip_rag.testing import ARCHITECTURES, tiny_model
 

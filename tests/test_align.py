@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from cacheclip_rag.align import map_selection, selected_characters
+from cacheclip_rag.stages.select.align import map_selection, selected_characters
 from cacheclip_rag.testing import tiny_tokenizer
 from tests.conftest import has_embedded_models
 
@@ -58,7 +58,7 @@ def test_nothing_selected_maps_to_nothing_and_all_to_all():
 def test_cover_between_real_smollm2_and_gemma3_tokenizers(text):
     from transformers import AutoTokenizer
 
-    from cacheclip_rag.models import convert_gguf, default_cache_dir, embedded_gguf
+    from cacheclip_rag.models.loading import convert_gguf, default_cache_dir, embedded_gguf
 
     cache = default_cache_dir()
     smol = AutoTokenizer.from_pretrained(convert_gguf(embedded_gguf("smollm2-135m", cache), cache))

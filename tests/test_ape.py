@@ -8,11 +8,11 @@ sees the prefix and itself, at positions that restart after the prefix; the ques
 import pytest
 import torch
 
-from cacheclip_rag.attention import ChunkScaling, chunk_scaled_attention, position_masks
-from cacheclip_rag.cache import BlendedCache
+from cacheclip_rag.stages.recompute.attention import ChunkScaling, chunk_scaled_attention, position_masks
+from cacheclip_rag.stages.cache import BlendedCache
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.ingest import new_cache
-from cacheclip_rag.recompute import forward_at
+from cacheclip_rag.stages.load.ingest import new_cache
+from cacheclip_rag.stages.recompute.forward import forward_at
 from tests.conftest import CHUNKS, QUESTION, max_diff
 
 TOL = 1e-4

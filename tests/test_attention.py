@@ -6,9 +6,9 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from cacheclip_rag.attention import one_row_attention, position_masks
-from cacheclip_rag.ingest import new_cache
-from cacheclip_rag.recompute import forward_at
+from cacheclip_rag.stages.recompute.attention import one_row_attention, position_masks
+from cacheclip_rag.stages.load.ingest import new_cache
+from cacheclip_rag.stages.recompute.forward import forward_at
 from cacheclip_rag.testing import tiny_model
 
 
@@ -71,7 +71,7 @@ def test_a_decode_step_on_the_last_row_needs_no_full_attention_mask():
 def test_decode_steps_equal_a_full_forward(arch, monkeypatch):
     """Each single-token step over the cache gives the logits a full forward gives at that position
     (gemma3's sliding window is 12 rows, shorter than the 30-token prompt), through the one-row path."""
-    from cacheclip_rag import attention
+    from cacheclip_rag.stages.recompute import attention
 
     calls = []
     monkeypatch.setattr(attention, "one_row_attention",
@@ -93,7 +93,7 @@ def test_probed_attention_by_kv_head_equals_eager_attention_over_repeated_keys(s
     """The probed (eager, with weights) path runs each KV head's query heads as one mm against its unrepeated
     keys: its weights and outputs equal attention over repeated keys, for several rows, sequences and a
     strided cache slice."""
-    from cacheclip_rag.attention import _eager_with_weights
+    from cacheclip_rag.stages.recompute.attention import _eager_with_weights
 
     torch.manual_seed(2)
     query = torch.randn(2, 5, 8, 16).transpose(1, 2)  # transformers' layout: a transposed view

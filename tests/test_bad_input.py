@@ -65,7 +65,7 @@ def test_bad_config():
 
 
 def test_the_papers_selection_without_aux_is_a_clear_error_and_the_default_needs_none(lm, tmp_path):
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.store import LMDBStore
 
     engine = Engine(primary=lm, store=LMDBStore(tmp_path), config=EngineConfig(store_path=tmp_path), aux=None)

@@ -6,10 +6,10 @@ gives the same tokens as decoding each request alone."""
 import pytest
 import torch
 
-from cacheclip_rag.batching import RowsRequest, forward_rows
-from cacheclip_rag.decode import TokenDecoder
-from cacheclip_rag.ingest import new_cache
-from cacheclip_rag.recompute import forward_at
+from cacheclip_rag.stages.decode.batching import RowsRequest, forward_rows
+from cacheclip_rag.stages.decode.decoder import TokenDecoder
+from cacheclip_rag.stages.load.ingest import new_cache
+from cacheclip_rag.stages.recompute.forward import forward_at
 from cacheclip_rag.testing import tiny_model
 
 ARCHS = ("llama", "qwen2", "gemma3")

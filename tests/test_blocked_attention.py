@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from cacheclip_rag import blocked_attention as blocked_module
-from cacheclip_rag.blocked_attention import blocked_attention, row_blocks
-from cacheclip_rag.ingest import new_cache
-from cacheclip_rag.recompute import forward_at
+from cacheclip_rag.stages.recompute import blocked_attention as blocked_module
+from cacheclip_rag.stages.recompute.blocked_attention import blocked_attention, row_blocks
+from cacheclip_rag.stages.load.ingest import new_cache
+from cacheclip_rag.stages.recompute.forward import forward_at
 from cacheclip_rag.testing import ARCHITECTURES, tiny_model
 
 
@@ -112,7 +112,7 @@ def test_a_recompute_through_blocks_equals_one_without(arch, monkeypatch):
 
     calls = []
     real = blocked_module.blocked_attention
-    from cacheclip_rag import attention
+    from cacheclip_rag.stages.recompute import attention
     monkeypatch.setattr(attention, "blocked_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain_logits, plain_keys = run(10**9)
     assert calls == []

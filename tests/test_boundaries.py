@@ -6,7 +6,7 @@ shared-prefix reuse; in between they do exactly what they say, row by row."""
 import pytest
 import torch
 
-from cacheclip_rag.select import boundary_selection
+from cacheclip_rag.stages.select.scores import boundary_selection
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import max_diff, options_of, prefill
 

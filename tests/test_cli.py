@@ -65,7 +65,7 @@ def test_ingest_checks_its_files_before_loading_any_model(tmp_path):
 
 
 def test_markdown_text_before_the_first_heading_is_kept():
-    from cacheclip_rag.chunking import split_sections
+    from cacheclip_rag.stages.load.chunking import split_sections
 
     chunks = split_sections("Intro that answers a question.\n\n## A\nalpha\n## B\nbeta\n")
     assert chunks == ["Intro that answers a question.", "## A\nalpha", "## B\nbeta"]

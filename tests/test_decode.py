@@ -1,7 +1,7 @@
 import torch
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.decode import text_deltas
+from cacheclip_rag.stages.decode.decoder import text_deltas
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION
 

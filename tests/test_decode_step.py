@@ -4,14 +4,14 @@ batch of them, bit for bit; they are used only where they are."""
 import pytest
 import torch
 
-from cacheclip_rag import batching
-from cacheclip_rag import decode_step as lean
-from cacheclip_rag.attention import ChunkScaling
-from cacheclip_rag.batching import RowsRequest
-from cacheclip_rag.cache import BlendedCache
+from cacheclip_rag.stages.decode import batching
+from cacheclip_rag.stages.decode import step as lean
+from cacheclip_rag.stages.recompute.attention import ChunkScaling
+from cacheclip_rag.stages.decode.batching import RowsRequest
+from cacheclip_rag.stages.cache import BlendedCache
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.decode import TokenDecoder
-from cacheclip_rag.recompute import forward_at
+from cacheclip_rag.stages.decode.decoder import TokenDecoder
+from cacheclip_rag.stages.recompute.forward import forward_at
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION
 
@@ -66,7 +66,7 @@ def test_answers_equal_with_the_lean_step_off(make_engine, monkeypatch, method):
     stream = engine.stream(QUESTION, CHUNKS, options)
     lean_answer = list(stream)
     assert stream.decoder.lean
-    monkeypatch.setattr("cacheclip_rag.decode.supports", lambda model, cache: False)
+    monkeypatch.setattr("cacheclip_rag.stages.decode.decoder.supports", lambda model, cache: False)
     stream = engine.stream(QUESTION, CHUNKS, options)
     assert list(stream) == lean_answer and not stream.decoder.lean
 

@@ -14,8 +14,8 @@ pytest.importorskip("fastapi")
 
 from cacheclip_rag.cli import main as cli_main  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
-from cacheclip_rag.recognize import StoreIndex  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
+from cacheclip_rag.engine.recognize import StoreIndex  # noqa: E402
 from cacheclip_rag.serve.client import RemoteEngine  # noqa: E402
 from cacheclip_rag.serve.keys import load_keys  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402

@@ -18,7 +18,7 @@ from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # 
 from llama_index.core.postprocessor import SimilarityPostprocessor  # noqa: E402
 
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.integrations.langchain import CacheClipChatModel, CacheClipFAISS, CacheClipGenerate, MiniLMEmbeddings  # noqa: E402,E501
 from cacheclip_rag.integrations.llamaindex import (  # noqa: E402
     CacheClipLLM, CacheClipSynthesizer, CacheClipVectorStore, MiniLMEmbedding, faiss_similarity_store, minilm_splitter,
@@ -141,7 +141,7 @@ def test_the_langchain_chat_model_reuses_stored_chunks_in_a_rag_prompt(engine):
 
 
 def test_gemma_renders_a_system_message_inside_a_closed_user_turn():
-    from cacheclip_rag.models import GEMMA_CHAT_TEMPLATE
+    from cacheclip_rag.models.loading import GEMMA_CHAT_TEMPLATE
     from cacheclip_rag.testing import tiny_tokenizer
 
     tok = tiny_tokenizer()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheclip_rag.embedded import SPLIT_GGUFS, SplitGGUF, assemble, content_hash, convert_gguf
+from cacheclip_rag.models.embedded import SPLIT_GGUFS, SplitGGUF, assemble, content_hash, convert_gguf
 
 PARTS = [b"GGUF" + b"\x03" * 60, b"second part " * 7, b"third and last"]
 
@@ -78,7 +78,7 @@ def test_the_same_gguf_at_another_path_reuses_its_conversion(tmp_path, monkeypat
     """The conversion is keyed by the file's bytes (and the chat template), not its path and mtime: a model
     package in a second virtual environment used to convert again into one more 0.5 GB folder each time.
     A changed file (same size, one byte) or another template gets its own folder."""
-    from cacheclip_rag import embedded
+    from cacheclip_rag.models import embedded
 
     data = b"GGUF" + bytes(range(256)) * 40
     first, second = tmp_path / "venv1" / "m.gguf", tmp_path / "venv2" / "m.gguf"
@@ -124,8 +124,8 @@ def _installed(name: str) -> bool:
 def test_qwen_05b_loads_with_its_chat_layout_and_reuse_is_exact(tmp_path):
     from cacheclip_rag.cli import demo_chunks
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
-    from cacheclip_rag.models import load_model
+    from cacheclip_rag.engine.core import Engine
+    from cacheclip_rag.models.loading import load_model
     from cacheclip_rag.store import LMDBStore
     from tests.conftest import max_diff
 
@@ -150,16 +150,16 @@ def test_without_the_default_aux_installed_the_default_runs_and_aux_selection_na
     """SmolLM2 cannot be a dependency (its package declares llama.cpp's); a plain `pip install` lacks it. The
     default selection needs no aux: the engine runs without it and says so once; asking for the aux
     selection is refused with the command that installs it, by the CLI before anything loads."""
-    import cacheclip_rag.engine as engine_module
+    import cacheclip_rag.engine.core as engine_module
     from cacheclip_rag.cli import main
     from cacheclip_rag.config import DEFAULT_AUX, EngineConfig, RequestOptions
-    from cacheclip_rag.embedded import SMOLLM2_PIP
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.models.embedded import SMOLLM2_PIP
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.testing import save_tiny_chat_model
 
     gone = lambda name: SMOLLM2_PIP if name == DEFAULT_AUX else None  # noqa: E731
     monkeypatch.setattr(engine_module, "missing", gone)
-    monkeypatch.setattr("cacheclip_rag.selection.missing", gone)
+    monkeypatch.setattr("cacheclip_rag.stages.select.selection.missing", gone)
     folder = save_tiny_chat_model(tmp_path / "m", "llama", "qwen2")
     with caplog.at_level("WARNING"):
         engine = Engine.from_config(EngineConfig(primary=str(folder), store_path=tmp_path / "kv"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.evaluation import report, ruler, runner
 from cacheclip_rag.evaluation.alignment import _spread, char_attention, compare
 from cacheclip_rag.evaluation.fidelity import (first_token_kl, greedy_agreement, sequence_log_likelihood,
@@ -250,9 +250,9 @@ def test_prepare_puts_entries_the_sample_then_reads_as_they_are(tmp_path):
     import copy
 
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.engine import Engine
-    from cacheclip_rag.ingest import SHARED, chunk_key, precompute, prefix_cache
-    from cacheclip_rag.models import PromptFormat
+    from cacheclip_rag.engine.core import Engine
+    from cacheclip_rag.stages.load.ingest import SHARED, chunk_key, precompute, prefix_cache
+    from cacheclip_rag.models.loading import PromptFormat
     from cacheclip_rag.store import LMDBStore
 
     primary, other = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
@@ -424,7 +424,7 @@ def test_jobs_interleave_tasks_so_a_partial_run_is_balanced():
 def test_a_perfect_reader_scores_one_on_every_task(make_engine, monkeypatch):
     """No cap in the pipeline: a model that writes the gold answer (values across lines, as a model may)
     scores 1 on every task type, under every method: the budget fits, no newline ends the answer."""
-    import cacheclip_rag.engine as engine_module
+    import cacheclip_rag.engine.core as engine_module
 
     engine = make_engine(tiny_model("gemma3"))
     count = runner.token_counter(engine)
@@ -469,8 +469,8 @@ def test_runner_refuses_unknown_variants(make_engine):
 def test_full_attention_on_gemma_passes_a_short_single1_floor(tmp_path):
     """The evaluation can fail: real Gemma 3 270M under `full` must find the needle in 2 of 3 samples."""
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.engine import Engine
-    from cacheclip_rag.models import load_model
+    from cacheclip_rag.engine.core import Engine
+    from cacheclip_rag.models.loading import load_model
     from cacheclip_rag.store import LMDBStore
 
     engine = Engine(primary=load_model("gemma3-270m"), store=LMDBStore(tmp_path), config=EngineConfig(store_path=tmp_path))
@@ -534,7 +534,7 @@ def test_cli_limit_of_zero_minutes_runs_one_sample_and_a_negative_one_is_refused
 
 
 def test_the_ruler_view_reads_in_rulers_layout_and_leaves_the_callers_engine_as_it_was(make_engine):
-    from cacheclip_rag.models import PromptFormat
+    from cacheclip_rag.models.loading import PromptFormat
 
     engine = make_engine(tiny_model("llama"), aux=tiny_model("qwen2", seed=1))
     prompt, config = engine.primary.prompt, engine.config

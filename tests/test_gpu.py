@@ -147,7 +147,7 @@ def test_read_into_cuda_slots_through_the_pinned_staging_ring(tmp_path):
 @pytest.mark.parametrize("method", ["shared_prefix", "cacheclip", "cacheblend"])
 def test_layerwise_loading_on_cuda_gives_the_plain_loads_answer(tmp_path, method):
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.store import LMDBStore
     from cacheclip_rag.testing import tiny_model
     from cacheclip_rag.store.tiers import HostTier
@@ -182,7 +182,7 @@ def test_kernel_steps_need_no_lmdb():
     """The GPU machine has no lmdb wheel unless one travels: the kernel benchmark and the engine's
     imports must not need it (only opening a store does)."""
     code = ("import sys; sys.modules['lmdb'] = None\n"
-            "import cacheclip_rag.kernels.selected_attention, cacheclip_rag.engine, cacheclip_rag.store.tiers\n"
+            "import cacheclip_rag.kernels.selected_attention, cacheclip_rag.engine.core, cacheclip_rag.store.tiers\n"
             "import runpy; sys.argv = ['bench_kernel.py', '--help']\n"
             "try:\n    runpy.run_path('bench/bench_kernel.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             "print('imported without lmdb')")

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from cacheclip_rag.group import group
+from cacheclip_rag.stages.group import group
 
 
 def mask(n, ones):
@@ -91,8 +91,8 @@ def test_exact_budget_fills_whole_windows_up_to_the_ratio():
     """The nominal rule recomputes far less than the ratio (grouping drops isolated candidates); the
     exact rule grows the candidate pool until the grouped selection meets the budget, overshooting by
     less than two windows, and never picks a token scored -inf."""
-    from cacheclip_rag.group import grouped_to_budget
-    from cacheclip_rag.select import top_k_candidates
+    from cacheclip_rag.stages.group import grouped_to_budget
+    from cacheclip_rag.stages.select.scores import top_k_candidates
 
     g = torch.Generator().manual_seed(0)
     for trial in range(20):

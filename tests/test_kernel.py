@@ -176,7 +176,7 @@ def test_bf16_question_only_rows_split_the_keys():
 
 def test_no_position_mask_is_built_under_the_kernel(make_engine, monkeypatch):
     """The kernel masks by position: the recompute forward must not build a [Tq, N] mask."""
-    from cacheclip_rag import recompute
+    from cacheclip_rag.stages.recompute import forward as recompute
     from cacheclip_rag.config import RequestOptions
     from cacheclip_rag.testing import tiny_model
     from tests.conftest import CHUNKS, QUESTION
@@ -212,7 +212,7 @@ def test_cuda_without_triton_warns_and_falls_back(monkeypatch):
     """An engine on CUDA without Triton would silently take the slow masked path: it must say so."""
     from types import SimpleNamespace
 
-    from cacheclip_rag.engine import default_kernel
+    from cacheclip_rag.engine.core import default_kernel
     from cacheclip_rag.kernels import selected_attention as module
 
     monkeypatch.setattr(module, "triton", None)

@@ -18,7 +18,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noq
 from llama_index.vector_stores.faiss import FaissVectorStore  # noqa: E402
 
 from cacheclip_rag.config import RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.integrations.common import KV_KEY  # noqa: E402
 from cacheclip_rag.integrations.llamaindex import (  # noqa: E402

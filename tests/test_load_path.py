@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.store import (FP8, ChunkEntry, LMDBStore, as_stored, decode_entry, encode_entry, entry)
 from cacheclip_rag.testing import tiny_model
 from cacheclip_rag.store.tiers import HostTier

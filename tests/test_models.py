@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from cacheclip_rag.models import PromptFormat, fingerprint, load_model
+from cacheclip_rag.models.loading import PromptFormat, fingerprint, load_model
 from cacheclip_rag.testing import tiny_model
 
 
@@ -44,7 +44,7 @@ def test_prompt_formats_place_chunks_between_prefix_and_question():
 def test_gemma_chat_template_renders_turns():
     from transformers import PreTrainedTokenizerFast
 
-    from cacheclip_rag.models import GEMMA_CHAT_TEMPLATE
+    from cacheclip_rag.models.loading import GEMMA_CHAT_TEMPLATE
     from cacheclip_rag.testing import tiny_tokenizer
 
     tok: PreTrainedTokenizerFast = tiny_tokenizer()
@@ -59,8 +59,8 @@ def test_a_local_model_folder_gets_its_own_chat_template(tmp_path, arch, templat
     what the template renders for a system turn and a user turn with the documents and the question,
     and the template's end-of-turn token ends decoding."""
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
-    from cacheclip_rag.models import load_model
+    from cacheclip_rag.engine.core import Engine
+    from cacheclip_rag.models.loading import load_model
     from cacheclip_rag.store import LMDBStore
     from cacheclip_rag.testing import save_tiny_chat_model
     from tests.conftest import CHUNKS, QUESTION
@@ -87,7 +87,7 @@ def test_a_local_model_folder_gets_its_own_chat_template(tmp_path, arch, templat
 
 
 def test_a_model_without_a_chat_template_gets_plain_completion(tmp_path):
-    from cacheclip_rag.models import PromptFormat, load_model
+    from cacheclip_rag.models.loading import PromptFormat, load_model
     from cacheclip_rag.testing import tiny_model
 
     lm = tiny_model("llama")
@@ -100,7 +100,7 @@ def test_dtype_is_chosen_per_device_and_checked(tmp_path):
     import torch
 
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.models import cpu_has_native_bf16, load_model, resolve_dtype
+    from cacheclip_rag.models.loading import cpu_has_native_bf16, load_model, resolve_dtype
     from cacheclip_rag.testing import tiny_model
 
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
@@ -118,7 +118,7 @@ def test_auto_dtype_on_the_cpu_is_bf16_exactly_where_the_cpu_has_it(monkeypatch)
     emulated; the probes are torch's own, so a CPU without them answers float32."""
     import torch
 
-    from cacheclip_rag.models import cpu_has_native_bf16, resolve_dtype
+    from cacheclip_rag.models.loading import cpu_has_native_bf16, resolve_dtype
 
     for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
                                        (False, False, torch.float32)):
@@ -136,7 +136,7 @@ def test_auto_storage_keeps_a_16_bit_model_s_dtype():
     in float16 on the CPU."""
     import torch
 
-    from cacheclip_rag.ingest import storage_dtype
+    from cacheclip_rag.stages.load.ingest import storage_dtype
     from cacheclip_rag.testing import tiny_model
 
     lm = tiny_model("qwen2")
@@ -151,7 +151,7 @@ def test_threads_never_exceed_the_cpus_this_process_may_use(monkeypatch):
 
     import torch
 
-    from cacheclip_rag.models import fit_threads_to_cores
+    from cacheclip_rag.models.loading import fit_threads_to_cores
 
     before = torch.get_num_threads()
     try:

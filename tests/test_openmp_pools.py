@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from cacheclip_rag.openmp_pools import _libgomps, release_thread_pool
+from cacheclip_rag.models.openmp_pools import _libgomps, release_thread_pool
 from cacheclip_rag.serve.worker import Worker, off_worker
 
 pytestmark = pytest.mark.skipif(not _libgomps() or not os.path.isdir("/proc/self/task"),

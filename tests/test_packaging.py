@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheclip_rag.recompute import cache_argument
+from cacheclip_rag.stages.recompute.forward import cache_argument
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def test_hugging_face_kernels_is_not_shadowed_from_the_repo_root():
     spec = importlib.util.find_spec("kernels")
     if spec is None or spec.origin is None or Path(spec.origin).resolve().is_relative_to(ROOT):
         pytest.skip("Hugging Face's kernels package is not installed (transformers < 5.25 does not need it)")
-    code = ("import kernels, transformers; from cacheclip_rag.engine import Engine; "
+    code = ("import kernels, transformers; from cacheclip_rag.engine.core import Engine; "
             "import cacheclip_rag.kernels.selected_attention as k; print(kernels.__file__); print(k.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert not Path(out[0]).resolve().is_relative_to(ROOT), out[0]

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from cacheclip_rag.models import load_model
-from cacheclip_rag.packed_linear import (ONEDNN_CACHES, PackedLinear, pack_linears, packing_available,
+from cacheclip_rag.models.loading import load_model
+from cacheclip_rag.models.packed_linear import (ONEDNN_CACHES, PackedLinear, pack_linears, packing_available,
                                          unpack_linears)
 from cacheclip_rag.testing import tiny_model
 
@@ -102,7 +102,7 @@ def test_a_packed_model_deep_copies():
 
 GROWTH = """
 import os, sys, torch
-from cacheclip_rag.packed_linear import PackedLinear, bound_onednn_caches
+from cacheclip_rag.models.packed_linear import PackedLinear, bound_onednn_caches
 if sys.argv[1] == "bounded":
     bound_onednn_caches()
 def anon_mb():
@@ -144,14 +144,14 @@ def test_a_cpu_without_onednn_bf16_kernels_loads_a_bf16_model_on_plain_linears(t
     lm.model.save_pretrained(tmp_path)
     lm.tokenizer.save_pretrained(tmp_path)
     fingerprint = load_model(tmp_path, dtype="bfloat16", prepack=False).fingerprint
-    monkeypatch.setattr("cacheclip_rag.packed_linear.packing_available", lambda: False)
-    monkeypatch.setattr("cacheclip_rag.models.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("cacheclip_rag.models.packed_linear.packing_available", lambda: False)
+    monkeypatch.setattr("cacheclip_rag.models.loading.cpu_has_native_bf16", lambda: False)
     assert pack_linears(bf16_tiny("llama").model) == 0
-    with caplog.at_level("WARNING", logger="cacheclip_rag.models"):
+    with caplog.at_level("WARNING", logger="cacheclip_rag.models.loading"):
         plain = load_model(tmp_path, dtype="bfloat16")
     assert "bfloat16 on a CPU without native bf16 is emulated" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="cacheclip_rag.models"):
+    with caplog.at_level("WARNING", logger="cacheclip_rag.models.loading"):
         load_model(tmp_path, dtype="float32")
     assert "emulated" not in caplog.text
     assert plain.fingerprint == fingerprint and plain.dtype == torch.bfloat16

@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
-from cacheclip_rag import blend, methods
-from cacheclip_rag.attention import AttentionProbe, use_cacheclip_attention
+from cacheclip_rag.stages.load import blend
+from cacheclip_rag.methods import prefills as methods
+from cacheclip_rag.stages.recompute.attention import AttentionProbe, use_cacheclip_attention
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.ingest import new_cache
-from cacheclip_rag.recompute import forward_at
-from cacheclip_rag.selection import question_scores
+from cacheclip_rag.stages.load.ingest import new_cache
+from cacheclip_rag.stages.recompute.forward import forward_at
+from cacheclip_rag.stages.select.selection import question_scores
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff, options_of, prefill
 

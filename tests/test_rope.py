@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from cacheclip_rag.ingest import new_cache
-from cacheclip_rag.recompute import forward_at
-from cacheclip_rag.rope import rotate_keys
+from cacheclip_rag.stages.load.ingest import new_cache
+from cacheclip_rag.stages.recompute.forward import forward_at
+from cacheclip_rag.stages.load.rope import rotate_keys
 from tests.conftest import max_diff
 
 

@@ -3,11 +3,11 @@ import copy
 
 import torch
 
-from cacheclip_rag.blend import chunk_entries
+from cacheclip_rag.stages.load.blend import chunk_entries
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.ingest import SHARED, chunk_unit
-from cacheclip_rag.select import aux_scores, top_k_candidates
-from cacheclip_rag.selection import aux_attention
+from cacheclip_rag.stages.load.ingest import SHARED, chunk_unit
+from cacheclip_rag.stages.select.scores import aux_scores, top_k_candidates
+from cacheclip_rag.stages.select.selection import aux_attention
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff
 
@@ -49,7 +49,7 @@ def test_top_k_is_global_over_chunks_with_ceil():
 
 
 def test_question_rows_are_the_question_text_not_the_template():
-    from cacheclip_rag.select import question_tokens
+    from cacheclip_rag.stages.select.scores import question_tokens
 
     lm = tiny_model("llama")
     ids, own = question_tokens(lm, "what colour is the ferry?", "The answer is")
@@ -79,8 +79,8 @@ def test_cacheclip_never_recomputes_chunk_zero_and_meets_the_budget(make_engine)
 def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make_engine, monkeypatch):
     """Rows after the question's own tokens (template, answer prefix) are not run: by causality the
     scores equal those of a plain eager forward over the whole question, averaged on its own rows."""
-    import cacheclip_rag.select as select
-    from cacheclip_rag.select import question_tokens
+    import cacheclip_rag.stages.select.scores as select
+    from cacheclip_rag.stages.select.scores import question_tokens
 
     engine = make_engine(tiny_model("qwen2"))
     aux = engine.aux
@@ -106,7 +106,7 @@ def test_scores_over_the_question_rows_skip_the_template_after_them_exactly(make
 
 def test_int8_aux_selects_nearly_what_the_float_aux_selects(make_engine):
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
 
     lm = tiny_model("llama")
     engine = make_engine(lm)
@@ -149,7 +149,8 @@ def test_an_aux_that_is_the_primary_selects_after_the_load_and_misses_are_comput
     lm = tiny_model("llama")
     engine = make_engine(lm)  # aux = primary
     events, writes = [], []
-    from cacheclip_rag import blend, methods
+    from cacheclip_rag.stages.load import blend
+    from cacheclip_rag.methods import prefills as methods
 
     load, select, put_many = blend.blended_cache, methods.aux_attention, engine.store.put_many
 
@@ -186,10 +187,10 @@ def test_int8_aux_runs_on_a_bfloat16_aux():
     import tempfile
 
     from cacheclip_rag.config import EngineConfig, RequestOptions
-    from cacheclip_rag.engine import Engine
+    from cacheclip_rag.engine.core import Engine
     from cacheclip_rag.store import LMDBStore
 
-    from cacheclip_rag.packed_linear import pack_linears
+    from cacheclip_rag.models.packed_linear import pack_linears
 
     lm = tiny_model("llama")
     lm.model.to(torch.bfloat16)

@@ -22,10 +22,10 @@ openai = pytest.importorskip("openai")
 import uvicorn  # noqa: E402
 
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
-from cacheclip_rag.recognize import ChunkIndex, Match, layout  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
+from cacheclip_rag.engine.recognize import ChunkIndex, Match, layout  # noqa: E402
 from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402
-from cacheclip_rag.planning import plan_layout  # noqa: E402
+from cacheclip_rag.engine.planning import plan_layout  # noqa: E402
 from cacheclip_rag.serve.layouts import render_chat, stream_plan  # noqa: E402
 from cacheclip_rag.serve.worker import Job  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
@@ -203,7 +203,7 @@ def test_a_prompt_that_asks_before_its_context_is_selected_by_the_aux(live, engi
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from cacheclip_rag.recognize import Layout
+    from cacheclip_rag.engine.recognize import Layout
     from cacheclip_rag.serve.layouts import selection_for
 
     url, _ = live

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from cacheclip_rag.config import EngineConfig  # noqa: E402
-from cacheclip_rag.engine import Engine  # noqa: E402
+from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.serve.keys import load_keys  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402

@@ -3,7 +3,7 @@ import torch
 
 from cacheclip_rag import store as store_mod
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.ingest import SHARED, chunk_key, precompute, prefix_cache
+from cacheclip_rag.stages.load.ingest import SHARED, chunk_key, precompute, prefix_cache
 from cacheclip_rag.store import ChunkEntry, LMDBStore, StoreError, entry_key
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS
@@ -129,8 +129,8 @@ def test_prefix_is_stored_once_per_model_and_prefix(tmp_path):
 
 def test_stored_chunk_equals_its_rows_in_a_full_prefill(tmp_path):
     """The batched ingest (right-padded) stores what a plain prefill of prefix + chunk computes."""
-    from cacheclip_rag.ingest import chunk_unit, new_cache
-    from cacheclip_rag.recompute import forward_at
+    from cacheclip_rag.stages.load.ingest import chunk_unit, new_cache
+    from cacheclip_rag.stages.recompute.forward import forward_at
 
     lm = tiny_model("gemma3")
     with LMDBStore(tmp_path) as s:

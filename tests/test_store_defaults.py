@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
-from cacheclip_rag.ingest import DIRECT, SHARED, as_stored, chunk_key, prefix_cache
+from cacheclip_rag.engine.core import Engine
+from cacheclip_rag.stages.load.ingest import DIRECT, SHARED, as_stored, chunk_key, prefix_cache
 from cacheclip_rag.store import ChunkEntry, LMDBStore
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff

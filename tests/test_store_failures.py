@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
-from cacheclip_rag.ingest import SHARED, chunk_key, prefix_cache
+from cacheclip_rag.engine.core import Engine
+from cacheclip_rag.stages.load.ingest import SHARED, chunk_key, prefix_cache
 from cacheclip_rag.store import (FP8, ChunkEntry, LMDBStore, StoreError, StoreFullError, as_stored, encode_entry,
                                  entry)
 from cacheclip_rag.testing import tiny_model

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from cacheclip_rag.config import EngineConfig, RequestOptions
-from cacheclip_rag.engine import Engine
+from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.evaluation.ruler import prose_sentence
-from cacheclip_rag.models import LoadedModel
+from cacheclip_rag.models.loading import LoadedModel
 from cacheclip_rag.store import LMDBStore
 from cacheclip_rag.testing import tiny_model
 from cacheclip_rag.transfer import (

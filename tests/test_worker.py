@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cacheclip_rag.request import Stream
+from cacheclip_rag.stages.request import Stream
 from cacheclip_rag.serve.worker import DONE, Job, QueueFull, Worker
 
 

@@ -58,8 +58,8 @@ from openai import AsyncOpenAI  # noqa: E402
 
 from bench_serve import QUESTIONS, SYSTEM, corpus, percentile, zipf_pick  # noqa: E402
 from cacheclip_rag.config import default_cache_dir  # noqa: E402
-from cacheclip_rag.embedded import convert_gguf, embedded_gguf  # noqa: E402
-from cacheclip_rag.models import resolve_dtype  # noqa: E402
+from cacheclip_rag.models.embedded import convert_gguf, embedded_gguf  # noqa: E402
+from cacheclip_rag.models.loading import resolve_dtype  # noqa: E402
 
 ANCHORS = Path(os.environ.get("CACHECLIP_ANCHORS", Path.home() / ".cache/cacheclip_rag/anchors"))
 PROMPTS = {"600": 2, "2k": 7, "4k": 14}  # chunks per request, ~300 tokens each (1,200 characters)

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     check(args)  # bad input is refused here, before anything heavy loads
     module_name, function = target.split(":")
     work = getattr(importlib.import_module(f"{__name__}.{module_name}"), function)
-    from ..sources import ModelSourceError
+    from ..models.sources import ModelSourceError
     from ..store import StoreError
 
     try:
@@ -40,7 +40,7 @@ def __getattr__(name: str):
     if name in _MOVED:
         return getattr(importlib.import_module(f"{__name__}.{_MOVED[name]}"), name)
     if name == "Engine":
-        from ..engine import Engine
+        from ..engine.core import Engine
 
         return Engine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

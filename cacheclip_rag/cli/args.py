@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..config import DEFAULT_AUX, DEFAULT_SELECTION, DTYPE_NAMES, METHODS, SELECTIONS, STORE_DTYPE_NAMES, EngineConfig, is_redis_url
-from ..embedded import missing
-from ..sources import ModelSourceError, check_model_source
+from ..models.embedded import missing
+from ..models.sources import ModelSourceError, check_model_source
 
 DESCRIPTION = ("cacheclip-rag: fast RAG answers from precomputed chunk caches. Arguments are checked before anything "
                "heavy loads; torch, transformers and LlamaIndex load only when a command's work starts.")

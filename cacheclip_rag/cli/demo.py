@@ -31,7 +31,7 @@ DEMO_SET = (
 
 
 def demo_chunks() -> list[str]:
-    from ..chunking import split_sections
+    from ..stages.load.chunking import split_sections
     from ..handbook import handbook_text
 
     return [c for c in split_sections(handbook_text()) if c.startswith("## ")]  # the handbook's preamble is its title alone
@@ -47,7 +47,7 @@ class Tally:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine import Engine
+    from ..engine.core import Engine
     from ..evaluation.fidelity import teacher_forced_fidelity
 
     engine = Engine.from_config(engine_config(args))

@@ -78,7 +78,7 @@ def ingest(args: argparse.Namespace) -> int:
     from ..integrations.llamaindex import (CacheClipVectorStore, MiniLMEmbedding, faiss_similarity_store, kv_texts,
                                            load_faiss_store)
 
-    from ..engine import Engine
+    from ..engine.core import Engine
 
     read = _read_nodes(args.paths, args.chunk_size, getattr(args, "texts", None))
     if not read:
@@ -158,7 +158,7 @@ def _ingest_on_ray(args: argparse.Namespace, config: EngineConfig, texts: list[s
 
     from ..distributed import ingest_on_ray
     from ..store.factory import open_store
-    from ..models import load_model
+    from ..models.loading import load_model
 
     store = partial(open_store, config.store_path, config.shared_store)
     for name, device in ((config.primary, config.device), (config.aux, config.aux_device)):
@@ -182,7 +182,7 @@ def _node_id(file: str, chunk: str) -> str:
 
 
 def query(args: argparse.Namespace) -> int:
-    from ..engine import Engine
+    from ..engine.core import Engine
 
     sources: list[tuple[str, float | None]] = []
     if args.chunk_files is not None:

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..engine import Engine
+    from ..engine.core import Engine
     from ..evaluation import report, runner
 
     profile = runner.PROFILES[args.profile]

@@ -8,7 +8,7 @@ from .args import engine_config
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..engine import Engine
+    from ..engine.core import Engine
     from ..serve import ServerSettings, serve
     from ..serve.keys import load_keys
 

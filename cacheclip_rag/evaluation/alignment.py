@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..align import tiled_spans
-from ..attention import AttentionProbe, use_cacheclip_attention
-from ..ingest import chunk_unit, new_cache
-from ..models import LoadedModel
-from ..recompute import forward_at
+from ..stages.select.align import tiled_spans
+from ..stages.recompute.attention import AttentionProbe, use_cacheclip_attention
+from ..stages.load.ingest import chunk_unit, new_cache
+from ..models.loading import LoadedModel
+from ..stages.recompute.forward import forward_at
 
 
 def char_attention(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..engine.core import Engine
 
 
 @dataclass(frozen=True)

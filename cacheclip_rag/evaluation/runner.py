@@ -31,8 +31,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..config import RequestOptions
-from ..engine import Engine
-from ..models import PromptFormat, layer_types
+from ..engine.core import Engine
+from ..models.loading import PromptFormat, layer_types
 from . import ruler
 from .fidelity import first_token_kl, sequence_log_likelihood, teacher_forced_fidelity
 from .records import Record, token_counter

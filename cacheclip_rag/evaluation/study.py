@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from ..engine import Engine
-from ..models import LoadedModel
+from ..engine.core import Engine
+from ..models.loading import LoadedModel
 from . import ruler
 from .alignment import char_attention, compare
 

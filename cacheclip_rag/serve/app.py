@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import DEFAULT_SELECTION, METHODS, MIN_RECOMPUTE_TOKENS, RequestOptions
-from ..engine import Engine
-from ..request import Answer
+from ..engine.core import Engine
+from ..stages.request import Answer
 from .documents import add_document_routes
 from .layouts import Defaults, Planned, plan_chat, plan_completion, stream_plan
 from .metrics import Metrics

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..config import DEFAULT_SYSTEM_PROMPT, RequestOptions
-from ..request import Answer, Stream, Timings
+from ..stages.request import Answer, Stream, Timings
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import hashlib
 
 from fastapi import FastAPI, Request
 
-from ..ingest import FormattedPrefix
+from ..stages.load.ingest import FormattedPrefix
 from .keys import Tenant
 from .layouts import system_head
 from .requests import APIError, check_fields

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass, replace
 
 from ..config import DEFAULT_SELECTION, MIN_RECOMPUTE_TOKENS, RequestOptions
-from ..engine import Engine
-from ..planning import plan_layout
-from ..recognize import Layout, layout
-from ..request import Plan, Stream
+from ..engine.core import Engine
+from ..engine.planning import plan_layout
+from ..engine.recognize import Layout, layout
+from ..stages.request import Plan, Stream
 from .requests import APIError, ChatRequest, CompletionRequest, Generation
 from .tenants import Scope
 

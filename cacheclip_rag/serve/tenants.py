@@ -24,8 +24,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..engine import Engine
-from ..recognize import Match, StoreIndex
+from ..engine.core import Engine
+from ..engine.recognize import Match, StoreIndex
 from .keys import SHARED, Tenant
 
 MAX_VIEWS = 256  # (tenant, salt) engine views kept; a view is a few small objects over the shared models

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..batching import forward_rows
-from ..openmp_pools import release_thread_pool, to_thread_releasing
-from ..request import Answer, Stream
+from ..stages.decode.batching import forward_rows
+from ..models.openmp_pools import release_thread_pool, to_thread_releasing
+from ..stages.request import Answer, Stream
 
 DONE = object()  # the end of a job's pieces
 _NOTHING = object()  # no job waiting

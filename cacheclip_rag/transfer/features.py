@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..align import tiled_spans
-from ..attention import use_cacheclip_attention
-from ..ingest import new_cache
-from ..models import LoadedModel
-from ..recompute import forward_at
-from ..rope import rotate_keys
+from ..stages.select.align import tiled_spans
+from ..stages.recompute.attention import use_cacheclip_attention
+from ..stages.load.ingest import new_cache
+from ..models.loading import LoadedModel
+from ..stages.recompute.forward import forward_at
+from ..stages.load.rope import rotate_keys
 
 # ---- features --------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ..ingest import kv_layout
-from ..models import LoadedModel
+from ..stages.load.ingest import kv_layout
+from ..models.loading import LoadedModel
 from .features import KVText, _with_bias, align, apply_rope, flat, stacked, strip_rope, text_kv, unflat
 from .fit import RidgeAccumulator, apply_mlp, fit_mlp, r_squared, select_layers
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..attention import use_cacheclip_attention
-from ..ingest import SHARED, chunk_key, chunk_unit, new_cache, prefix_cache
-from ..models import LoadedModel
-from ..recompute import forward_at
+from ..stages.recompute.attention import use_cacheclip_attention
+from ..stages.load.ingest import SHARED, chunk_key, chunk_unit, new_cache, prefix_cache
+from ..models.loading import LoadedModel
+from ..stages.recompute.forward import forward_at
 from ..store import ChunkEntry
 from .mapper import Mapper, transfer_kv
 

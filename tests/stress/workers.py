@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
             print("ready", flush=True)
             time.sleep(600)
     elif role == "ingest":
-        from cacheclip_rag.ingest import SHARED, precompute
+        from cacheclip_rag.stages.load.ingest import SHARED, precompute
         from cacheclip_rag.testing import tiny_model
 
         texts = [f"chunk {i}: " + "the quick brown fox jumps over the lazy dog " * 8 for i in range(int(rest[0]))]

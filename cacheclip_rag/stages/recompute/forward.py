@@ -17,9 +17,9 @@ from transformers import PreTrainedModel
 from .attention import (AttentionProbe, ChunkScaling, ForwardContext, SelectedRowsKernel, forward_context,
                         position_masks, use_cacheclip_attention)
 from .blocked_attention import row_blocks
-from .kernels.selected_attention import check_positions
-from .cache import BlendedCache
-from .models import text_config
+from ...kernels.selected_attention import check_positions
+from ..cache import BlendedCache
+from ...models.loading import text_config
 
 
 @functools.cache

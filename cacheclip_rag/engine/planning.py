@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import RequestOptions, check_text
-from .ingest import FormattedPrefix, chunk_unit, validate_chunks
-from .models import LoadedModel
+from ..config import RequestOptions, check_text
+from ..stages.load.ingest import FormattedPrefix, chunk_unit, validate_chunks
+from ..models.loading import LoadedModel
 from .recognize import Layout
-from .request import Plan
+from ..stages.request import Plan
 
 
 def plan_chunks(lm: LoadedModel, question: str, texts: Sequence[str], options: RequestOptions, *,

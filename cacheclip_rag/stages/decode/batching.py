@@ -24,11 +24,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import ForwardContext, RaggedBatch, forward_context, position_masks, use_cacheclip_attention
-from .cache import BlendedCache
-from .decode_step import decode_steps, supports
-from .models import layer_types, text_config
-from .recompute import cache_argument
+from ..recompute.attention import ForwardContext, RaggedBatch, forward_context, position_masks, use_cacheclip_attention
+from ..cache import BlendedCache
+from .step import decode_steps, supports
+from ...models.loading import layer_types, text_config
+from ..recompute.forward import cache_argument
 
 
 @dataclass(frozen=True)

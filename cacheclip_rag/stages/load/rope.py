@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .models import layer_types
+from ...models.loading import layer_types
 
 
 def _rotary_module(model: PreTrainedModel) -> torch.nn.Module:

@@ -36,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCE = Path(__file__).parents[1] / "csrc" / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 ATTENTION_DIMS = frozenset({32, 64, 128})
 GEMV_MAX_ROWS = 8

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from .attention import AttentionProbe, SelectedRowsKernel
-from .cache import BlendedCache
-from .ingest import PrefixCache, new_cache
-from .models import LoadedModel, layer_types
-from .recompute import forward_at
-from .store import ChunkEntry
+from ..recompute.attention import AttentionProbe, SelectedRowsKernel
+from ..cache import BlendedCache
+from ..load.ingest import PrefixCache, new_cache
+from ...models.loading import LoadedModel, layer_types
+from ..recompute.forward import forward_at
+from ...store import ChunkEntry
 
 if TYPE_CHECKING:
-    from .request import Plan
+    from ..request import Plan
 
 
 def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:

@@ -13,29 +13,29 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import blend
-from .attention import SelectedRowsKernel, use_cacheclip_attention
-from .blend import Parts
-from .config import DEFAULT_AUX, EngineConfig, RequestOptions
-from .decode import TokenDecoder, text_deltas
-from .ingest import (
+from ..stages.load import blend
+from ..stages.recompute.attention import SelectedRowsKernel, use_cacheclip_attention
+from ..stages.load.blend import Parts
+from ..config import DEFAULT_AUX, EngineConfig, RequestOptions
+from ..stages.decode.decoder import TokenDecoder, text_deltas
+from ..stages.load.ingest import (
     DIRECT,
     SHARED,
     FormattedPrefix,
     new_cache,
     precompute,
 )
-from .layerwise import LayerStream, cuda_layer_stream
-from .methods import PREFILLS
-from .embedded import missing
-from .models import LoadedModel, int8_scorer, load_model
+from ..stages.load.layerwise import LayerStream, cuda_layer_stream
+from ..methods.prefills import PREFILLS
+from ..models.embedded import missing
+from ..models.loading import LoadedModel, int8_scorer, load_model
 from .planning import plan_chunks, plan_layout
 from .recognize import StoreIndex, layout
-from .recompute import forward_at
-from .request import Answer, Plan, Prefill, Stream, Timings
-from .store import KVStore, tally_reads
-from .store.texts import is_text_ref
-from .store.factory import in_namespace, open_store
+from ..stages.recompute.forward import forward_at
+from ..stages.request import Answer, Plan, Prefill, Stream, Timings
+from ..store import KVStore, tally_reads
+from ..store.texts import is_text_ref
+from ..store.factory import in_namespace, open_store
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def default_kernel(lm: LoadedModel) -> SelectedRowsKernel | None:
     """The Triton selected-rows kernel when the primary runs on CUDA and Triton is installed."""
     if lm.device.type != "cuda":
         return None
-    from .kernels import selected_attention as module
+    from ..kernels import selected_attention as module
 
     if module.triton is None:
         warnings.warn("Triton is not installed: selective recompute on CUDA falls back to SDPA with dense "

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .store.namespaced import SHARED, split_marked
-from .store.texts import forgotten
+from ..store.namespaced import SHARED, split_marked
+from ..store.texts import forgotten
 
 ANCHOR = 48  # characters: long enough to be rare in other text, short enough for small chunks
 SHORT_ANCHOR = 16  # the anchor of a chunk shorter than ANCHOR

@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from .cache import BlendedCache
-from .config import check_text
-from .models import LoadedModel, resolve_dtype
-from .recompute import forward_at
-from .store import (STORE_DTYPES, ChunkEntry, EntryView, KVStore, Slot, StoreFullError, as_stored, encode_entry,
+from ..cache import BlendedCache
+from ...config import check_text
+from ...models.loading import LoadedModel, resolve_dtype
+from ..recompute.forward import forward_at
+from ...store import (STORE_DTYPES, ChunkEntry, EntryView, KVStore, Slot, StoreFullError, as_stored, encode_entry,
                     entry_key, parse_entry)
 
 log = logging.getLogger(__name__)

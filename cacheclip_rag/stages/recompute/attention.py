@@ -23,9 +23,9 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import cpu_kernels
+from ...models import cpu_kernels
 from .blocked_attention import RowBlock, blocked_attention
-from .models import layer_types, text_config
+from ...models.loading import layer_types, text_config
 
 ATTENTION_NAME = "cacheclip"
 

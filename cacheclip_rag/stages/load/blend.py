@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .attention import SelectedRowsKernel
-from .cache import BlendedCache
-from .config import EngineConfig, RequestOptions
+from ..recompute.attention import SelectedRowsKernel
+from ..cache import BlendedCache
+from ...config import EngineConfig, RequestOptions
 from .ingest import (
     DIRECT,
     SHARED,
@@ -25,12 +25,12 @@ from .ingest import (
     storage_dtype,
 )
 from .layerwise import LayerStream, load_layerwise
-from .models import LoadedModel, layer_types
-from .recompute import recompute
-from .request import Plan
+from ...models.loading import LoadedModel, layer_types
+from ..recompute.forward import recompute
+from ..request import Plan
 from .rope import rotate_keys_
-from .store import ChunkEntry, KVStore
-from .store.tiers import HostTier
+from ...store import ChunkEntry, KVStore
+from ...store.tiers import HostTier
 
 
 @dataclass(frozen=True)

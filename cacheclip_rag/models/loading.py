@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
+from ..config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
 from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
 from .sources import check_model_source

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from .attention import dense_attention
-from .cache import BlendedCache
-from .models import layer_types
+from ..recompute.attention import dense_attention
+from ..cache import BlendedCache
+from ...models.loading import layer_types
 
 LEAN_MODEL_TYPES = frozenset({"llama", "qwen2"})
 

@@ -6,12 +6,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .attention import ChunkScaling
+from ..recompute.attention import ChunkScaling
 from .batching import RowsRequest
-from .cache import BlendedCache
-from .decode_step import decode_step, supports
-from .models import LoadedModel
-from .recompute import forward_at
+from ..cache import BlendedCache
+from .step import decode_step, supports
+from ...models.loading import LoadedModel
+from ..recompute.forward import forward_at
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .align import beyond_text
-from .attention import ChunkScaling
+from .select.align import beyond_text
+from .recompute.attention import ChunkScaling
 from .cache import BlendedCache
 
 if TYPE_CHECKING:
-    from .decode import TokenDecoder
+    from .decode.decoder import TokenDecoder
 
 
 @dataclass(frozen=True)

@@ -24,17 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from .align import beyond_text, map_selection
-from .attention import AttentionProbe
-from .blend import Parts, chunk_entries, positions_of, side_stream
-from .cache import BlendedCache
-from .config import DEFAULT_AUX, RequestOptions
-from .embedded import missing
-from .group import grouped_to_budget
-from .ingest import SHARED, chunk_unit
-from .models import LoadedModel, layer_types
-from .recompute import forward_at
-from .request import Plan
-from .select import (
+from ..recompute.attention import AttentionProbe
+from ..load.blend import Parts, chunk_entries, positions_of, side_stream
+from ..cache import BlendedCache
+from ...config import DEFAULT_AUX, RequestOptions
+from ...models.embedded import missing
+from ..group import grouped_to_budget
+from ..load.ingest import SHARED, chunk_unit
+from ...models.loading import LoadedModel, layer_types
+from ..recompute.forward import forward_at
+from ..request import Plan
+from .scores import (
     aux_scores,
     boundary_selection,
     primary_attention_scores,

@@ -15,10 +15,10 @@ from typing import Protocol
 import torch
 
 from .ingest import FormattedPrefix, Loaded, chunk_unit, compute_missing, prefix_cache, unit_key
-from .models import LoadedModel
+from ...models.loading import LoadedModel
 from .rope import rotate_keys_
-from .store import ChunkEntry, Slot
-from .store.tiers import HostTier
+from ...store import ChunkEntry, Slot
+from ...store.tiers import HostTier
 
 
 class LayerStream(Protocol):

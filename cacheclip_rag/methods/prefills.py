@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import blend
-from .attention import ChunkScaling
-from .blend import Parts
-from .config import RequestOptions
-from .ingest import new_cache
-from .recompute import forward_at
-from .request import Plan, Prefill, Trace
-from .selection import (
+from ..stages.load import blend
+from ..stages.recompute.attention import ChunkScaling
+from ..stages.load.blend import Parts
+from ..config import RequestOptions
+from ..stages.load.ingest import new_cache
+from ..stages.recompute.forward import forward_at
+from ..stages.request import Plan, Prefill, Trace
+from ..stages.select.selection import (
     Selection,
     aux_attention,
     oracle_attention,
@@ -31,7 +31,7 @@ from .selection import (
 from .spread import answer_spread
 
 if TYPE_CHECKING:
-    from .cache import BlendedCache
+    from ..stages.cache import BlendedCache
 
 
 def _trace(parts: Parts, options: RequestOptions) -> Trace:

@@ -1,0 +1,2 @@
+"""Select: which chunk tokens to recompute. Scores (`scores`), the selectors each returning a `Selection`
+(`selection`), and token indices mapped across tokenizers (`align`)."""
