@@ -85,3 +85,11 @@ def test_the_checker_sees_an_upward_import():
     assert [(m, t) for m, ts in fake.items() for t in ts if rank(t) < rank(m)] == [("cacheclip_rag.stages.select.selection",
                                                                                      "cacheclip_rag.engine.core")]
     assert "cacheclip_rag.engine.core" in graph()["cacheclip_rag.serve.app"]
+
+
+def test_one_list_of_methods():
+    """The method names the CLI and config check without torch (`config.METHODS`) are the prefills' keys."""
+    from cacheclip_rag.config import METHODS
+    from cacheclip_rag.methods.prefills import PREFILLS
+
+    assert tuple(PREFILLS) == METHODS

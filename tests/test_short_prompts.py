@@ -8,7 +8,7 @@ import torch
 
 from cacheclip_rag.stages.select import selection
 from cacheclip_rag.config import RequestOptions
-from cacheclip_rag.methods.prefills import short_prompt_budget
+from cacheclip_rag.methods.budget import short_prompt_budget
 from cacheclip_rag.serve.layouts import Defaults, options_for
 from cacheclip_rag.serve.requests import APIError, generation
 from cacheclip_rag.testing import tiny_model

@@ -7,7 +7,7 @@ import torch
 
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.evaluation import ruler
-from cacheclip_rag.methods.prefills import spread_budget
+from cacheclip_rag.methods.budget import spread_budget
 from cacheclip_rag.methods.spread import answer_spread
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import max_diff

@@ -28,7 +28,7 @@ from ..stages.select.selection import (
     require_aux,
     value_deviation,
 )
-from .spread import answer_spread
+from .budget import budget
 
 if TYPE_CHECKING:
     from ..stages.cache import BlendedCache
@@ -127,31 +127,6 @@ def _load_while_aux_selects(parts: Parts, plan: Plan, options: RequestOptions, *
     return cache, chosen
 
 
-def spread_budget(plan: Plan, options: RequestOptions) -> RequestOptions:
-    """`options` at `spread_ratio` when that is more than the ratio and the question's subject is in two
-    chunks or more (`spread.answer_spread`); ratio 0 (reuse alone) and ratio 1 are left as asked."""
-    if options.spread_ratio is None or not 0.0 < options.ratio < options.spread_ratio:
-        return options
-    if not answer_spread(plan.question, plan.texts).spread:
-        return options
-    return replace(options, ratio=options.spread_ratio)
-
-
-def short_prompt_budget(plan: Plan, options: RequestOptions) -> RequestOptions:
-    """`options` with a ratio that recomputes at least `min_recompute_tokens` chunk rows; a prompt with fewer
-    chunk tokens runs as `full` (ratio 1: its answer, by the shortest path: nothing loaded, no mask); ratio 0
-    (reuse alone) is left as asked. Below a few hundred chunk tokens reuse saves a fraction of a second at
-    most, and there the reused caches lost answers (the README's two-chunk example answered with the other
-    chunk's year). Served, recomputing every row over the loaded caches took longer than `full` itself
-    (median 0.93 s against 0.57 s on 79-156-token prompts, bench/RESULTS.md)."""
-    total = sum(len(ids) for ids in plan.chunk_ids)
-    if options.ratio <= 0.0 or total == 0 or options.min_recompute_tokens <= options.ratio * total:
-        return options
-    if options.min_recompute_tokens >= total:
-        return replace(options, method="full", ratio=1.0)
-    return replace(options, ratio=options.min_recompute_tokens / total)
-
-
 def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Prefill:
     """CacheClip: load (the aux's pick overlapped) -> select -> recompute. `selection="aux"`, the paper's:
     the aux's pick is the selection. `"question"` (the default): the question's attention over the loaded
@@ -162,7 +137,7 @@ def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Pre
         require_aux(parts)  # a clear error before any work, whatever the budget
     trace = _trace(parts, options)
     with trace.stage("select"):
-        options = short_prompt_budget(plan, spread_budget(plan, options))
+        options = budget(plan, options)
     if options.method == "full":  # a prompt under the floor
         prefill = _prefill_full(parts, plan, options)
         prefill.timings.select_s += trace.timings.select_s
