@@ -16,27 +16,13 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from cacheclip_rag.config import EngineConfig  # noqa: E402
-from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.serve.keys import load_keys  # noqa: E402
 from cacheclip_rag.serve.limits import ClientSlots  # noqa: E402
 from cacheclip_rag.serve.worker import Job  # noqa: E402
-from cacheclip_rag.store import LMDBStore  # noqa: E402
-from cacheclip_rag.testing import tiny_model  # noqa: E402
-from tests.test_serve import CHUNKS, rag_messages, running  # noqa: E402
+from tests.test_serve import engine, rag_messages, running  # noqa: E402,F401 - engine: the served tiny model fixture
 
 GOOD, BAD = "sk-good-client-" + "g" * 10, "sk-abusive-one-" + "b" * 10
 CHAT = {"model": "cacheclip", "messages": rag_messages(), "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    lm = tiny_model("llama")
-    path = tmp_path_factory.mktemp("limits-store")
-    engine = Engine(primary=lm, aux=lm, store=LMDBStore(path),
-                    config=EngineConfig(store_path=path, system_prompt="Be brief.", store_dtype="float32"))
-    engine.ingest(CHUNKS, progress=False)
-    return engine
 
 
 @pytest.fixture(scope="module")
