@@ -216,3 +216,25 @@ def test_forgetting_in_redis(tmp_path, tiered):
         check_forgetting(tmp_path, server.tcp_url, tiered)
     finally:
         server.kill()
+
+
+def test_what_salted_requests_computed_from_a_deleted_document_goes_too(live):
+    """A tenant's `cache_salt` requests compute and store their own caches (per salt); they count as the
+    tenant's text's, so the delete removes them as well."""
+    url, engine = live
+    doc, unseen = document(40), document(41)
+
+    def salted(text: str) -> int:
+        reply = post(url, A, "/v1/chat/completions", {
+            "model": "cacheclip", "max_tokens": 1, "documents": [text], "cache_salt": "s1",
+            "messages": [{"role": "user", "content": "Which code?"}]})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    post(url, A, "/v1/ingest", {"documents": [doc], "ids": ["salted-doc"]})
+    salted(unseen)  # the salt's prefix, stored once
+    prefix_only = salted(document(42))  # another unseen text: the prefix alone is read
+    salted(doc)
+    assert salted(doc) > prefix_only  # the salted request reads its own stored chunk
+    assert post(url, A, "/v1/documents/delete", {"ids": ["salted-doc"]}).json()["deleted_entries"] > 0
+    assert salted(doc) == prefix_only  # computed afresh, not read

@@ -88,13 +88,14 @@ class Engine:
                            device_bytes=config.device_cache_bytes or 0, device=primary.device)
         return cls(primary=primary, store=store, config=config, aux=aux)
 
-    def in_namespace(self, namespace: str, readable: Sequence[str] = ()) -> Engine:
+    def in_namespace(self, namespace: str, readable: Sequence[str] = (), owner: str | None = None) -> Engine:
         """This engine (the same models and settings) over one namespace of its store: what one tenant of a
-        server writes and reads (see `store.namespaced`); the empty namespace is the engine itself."""
+        server writes and reads (see `store.namespaced`; `owner`: whose texts its computed entries count
+        as, default `namespace`); the empty namespace is the engine itself."""
         if not namespace:
             return self
         view = copy.copy(self)
-        view.store = in_namespace(self.store, namespace, readable)
+        view.store = in_namespace(self.store, namespace, readable, owner)
         view._index = None  # recognition over the namespace's texts, built when first asked
         return view
 

@@ -62,16 +62,16 @@ class Tenants:
     def scope(self, tenant: Tenant, salt: str | None = None) -> Scope:
         namespace = salted(tenant, salt)
         readable = () if salt is not None else (SHARED,)  # a salt reuses only what the same salt stored
-        return Scope(self.view(namespace, readable), self.index, (tenant.name, SHARED))
+        return Scope(self.view(namespace, readable, tenant.name), self.index, (tenant.name, SHARED))
 
-    def view(self, namespace: str, readable: tuple[str, ...] = ()) -> Engine:
+    def view(self, namespace: str, readable: tuple[str, ...] = (), owner: str | None = None) -> Engine:
         if namespace == SHARED:
             return self.engine
         with self._lock:
             if namespace in self._views:
                 self._views.move_to_end(namespace)
                 return self._views[namespace]
-            view = self.engine.in_namespace(namespace, readable)
+            view = self.engine.in_namespace(namespace, readable, owner)  # a salt's entries: the tenant's texts
             self._views[namespace] = view
             while len(self._views) > MAX_VIEWS:
                 self._views.popitem(last=False)

@@ -39,6 +39,7 @@ def open_store(location: str | Path, shared: str | None = None, *, host_bytes: i
     return store
 
 
-def in_namespace(store: KVStore, namespace: str, readable: Sequence[str] = ()) -> KVStore:
-    """`store` as one tenant (or one `cache_salt`) sees it: writes to `namespace`, reads also `readable`."""
-    return NamespacedStore(store, namespace, readable)
+def in_namespace(store: KVStore, namespace: str, readable: Sequence[str] = (), owner: str | None = None) -> KVStore:
+    """`store` as one tenant (or one `cache_salt`) sees it: writes to `namespace`, reads also `readable`; what it
+    computes is recorded for `owner`'s texts (default `namespace`)."""
+    return NamespacedStore(store, namespace, readable, owner)

@@ -48,10 +48,14 @@ def split_marked(text: str) -> tuple[str, str]:
 class NamespacedStore:
     """`inner` seen from `namespace`, reading also from `readable` (in order) on a miss."""
 
-    def __init__(self, inner: KVStore, namespace: str, readable: Sequence[str] = ()):
+    def __init__(self, inner: KVStore, namespace: str, readable: Sequence[str] = (), owner: str | None = None):
+        """`owner`: the namespace whose owners hold the texts this view computes entries from (a tenant's, for
+        its `cache_salt` views), so deleting a tenant's document also deletes what its salted requests
+        computed from it; default: `namespace`."""
         if "\x00" in namespace:
             raise ValueError("a namespace cannot hold a NUL character")
         self.inner, self.namespace = inner, namespace
+        self.owner = namespace if owner is None else owner
         self.readable = tuple(n for n in dict.fromkeys(readable) if n != namespace)
 
     def __getattr__(self, name: str) -> Any:  # path, stats, close, ...: the store's own
@@ -109,7 +113,7 @@ class NamespacedStore:
                           None if text is None else marked(self.namespace, text))
 
     def record_entries(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> None:
-        self.inner.record_entries([(marked(self.namespace, t), self._own(keys)) for t, keys in items])
+        self.inner.record_entries([(marked(self.owner, t), self._own(keys)) for t, keys in items])
 
     def release(self, owners: Sequence[str] = (), group: str | None = None) -> list[bytes]:
         return self.inner.release([self._owner(o) for o in owners], None if group is None else self._owner(group))
