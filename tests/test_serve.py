@@ -201,10 +201,9 @@ def test_a_prompt_that_asks_before_its_context_is_selected_by_the_aux(live, engi
     """The default selection reads the question's attention from the rows after the chunks; when the user's
     words come before the pasted chunks, the aux selects from those words instead (usage says so)."""
     from dataclasses import replace
-    from types import SimpleNamespace
 
+    from cacheclip_rag.engine.prompts import selection_for
     from cacheclip_rag.engine.recognize import Layout
-    from cacheclip_rag.serve.layouts import selection_for
 
     url, _ = live
     asks_first = [{"role": "system", "content": "Answer from the context."},
@@ -216,10 +215,10 @@ def test_a_prompt_that_asks_before_its_context_is_selected_by_the_aux(live, engi
     default = RequestOptions()
     before = Layout(head="Q? ", chunks=("a",), between=("",), tail=" Answer:", question="Q?")
     after = replace(before, head="", tail=" Q?  Answer:")
-    assert selection_for(engine, before, default).requery is None
-    assert selection_for(engine, after, default) == default
-    assert selection_for(engine, before, RequestOptions(method="cacheblend")).requery == default.requery
-    assert selection_for(SimpleNamespace(aux=None), before, default) == default  # no aux: nothing else to use
+    assert selection_for(before, default, has_aux=True).requery is None
+    assert selection_for(after, default, has_aux=True) == default
+    assert selection_for(before, RequestOptions(method="cacheblend"), has_aux=True).requery == default.requery
+    assert selection_for(before, default, has_aux=False) == default  # no aux: nothing else to use
 
 
 def test_openai_streaming_sync_and_async_give_the_same_text(live):

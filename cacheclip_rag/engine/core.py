@@ -29,8 +29,9 @@ from ..stages.load.layerwise import LayerStream, cuda_layer_stream
 from ..methods.prefills import PREFILLS
 from ..models.embedded import missing
 from ..models.loading import LoadedModel, int8_scorer, load_model
-from .planning import plan_chunks, plan_layout
-from .recognize import StoreIndex, layout
+from .planning import plan_chunks
+from .prompts import Recognised, plan_prompt
+from .recognize import StoreIndex
 from ..stages.recompute.forward import forward_at
 from ..stages.request import Answer, Plan, Prefill, Stream, Timings
 from ..store import KVStore, tally_reads
@@ -55,8 +56,10 @@ class Engine:
     kernel: SelectedRowsKernel | None | str = "auto"
     # the stream a layer-wise load runs on (behind a host tier): CUDA's by default, none on a CPU
     layer_stream: Callable[[LoadedModel], LayerStream | None] = cuda_layer_stream
-    # the recogniser of stored chunks in prompts (`stream_prompt`), built on first use
+    # the recogniser of stored chunks in prompts (`recognizer`), built on first use, and the namespaces this
+    # engine recognises in it (a tenant's view: its own and the operator's)
     _index: StoreIndex | None = field(default=None, init=False, repr=False)
+    _recognised_in: tuple[str, ...] = field(default=("",), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kernel == "auto":
@@ -96,8 +99,25 @@ class Engine:
             return self
         view = copy.copy(self)
         view.store = in_namespace(self.store, namespace, readable, owner)
-        view._index = None  # recognition over the namespace's texts, built when first asked
+        view._index = self.recognizer()  # one index over every namespace's texts, shared with this engine
+        view._recognised_in = (owner if owner is not None else namespace, "")  # its owner's chunks and the corpus
         return view
+
+    def recognizer(self, refresh_s: float | None = None) -> StoreIndex:
+        """The index of stored chunks this engine finds in prompts (`plan_prompt`), over every namespace's
+        texts (re-read at most every `refresh_s`, default 2 s, so other processes' ingests are found)."""
+        if self._index is None:
+            self._index = StoreIndex(self.store) if refresh_s is None else StoreIndex(self.store, refresh_s)
+        return self._index
+
+    def plan_prompt(self, prompt: str, options: RequestOptions, *, question: str | None = None,
+                    messages: Sequence[dict] = ()) -> Recognised:
+        """A prompt someone else wrote, planned over the stored chunks found in it (`engine.prompts`); `plan`
+        None when none is there. `messages`: the chat it was rendered from (the question is then the last
+        message without its pasted chunks); else `question`, else the text after the last chunk."""
+        index = self.recognizer()
+        return plan_prompt(self.primary, lambda text: index.find(text, self._recognised_in), prompt, options,
+                           question=question, messages=messages, has_aux=self.aux is not None)
 
     # ---- ingest ------------------------------------------------------------------------------
 
@@ -186,14 +206,10 @@ class Engine:
         user's words alone, for the aux's selection pass (default: the prompt's text after its last chunk)."""
         options = options or RequestOptions()
         started = time.perf_counter()
-        if self._index is None:
-            self._index = StoreIndex(self.store)
-        matches = self._index.find(prompt)
-        if not matches:
+        found = self.plan_prompt(prompt, options, question=question)
+        if found.plan is None:
             return self.complete(prompt, options)
-        found = layout(prompt, matches, question or prompt[matches[-1].stop:].strip() or prompt[-500:])
-        plan = plan_layout(self.primary, found, options)
-        return self.decode(plan, self.prefill(plan, options), options, started)
+        return self.decode(found.plan, self.prefill(found.plan, found.options), found.options, started)
 
     def complete(self, prompt: str | Sequence[int], options: RequestOptions | None = None) -> Stream:
         """Plain generation from a whole prompt (no chunks, no reuse): full prefill, then decode.

@@ -338,7 +338,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
         planned = await off_worker(lambda: server.limit_tokens(plan_chat(  # tokenizing: off the event loop
             scope, with_default_tokens(parsed), defaults)))
-        return await respond(request, scope.engine, planned, "chat")
+        return await respond(request, scope, planned, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -349,7 +349,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         scope = server.tenants.scope(tenant, parsed.generation.cache_salt)
         planned = await off_worker(lambda: server.limit_tokens(plan_completion(
             scope, with_default_tokens(parsed), defaults)))
-        return await respond(request, scope.engine, planned, "completion")
+        return await respond(request, scope, planned, "completion")
 
     defaults = Defaults(settings.method, settings.ratio, settings.selection, settings.min_recompute_tokens)
 

@@ -83,7 +83,7 @@ def add_document_routes(app: FastAPI, server) -> None:
         # the last chunk of the message (no separator after it), so the first such request reuses them
         try:
             head = FormattedPrefix(system_head(engine, system)) if system is not None else None
-            keys = await off_worker(scope.engine.ingest, documents, progress=False, system_prompt=head,
+            keys = await off_worker(scope.ingest, documents, progress=False, system_prompt=head,
                                     bare=head is not None, owners=ids, groups=groups)
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "system" if "shared prefix" in str(err) else "documents") from None
@@ -105,7 +105,7 @@ def add_document_routes(app: FastAPI, server) -> None:
         scope = server.tenants.scope(tenant)
 
         def forget() -> int:
-            deleted = scope.engine.release(ids, group)
+            deleted = scope.release(ids, group)
             server.tenants.index.refresh(force=True)  # the tombstones: no prompt finds the texts from now on
             return deleted
 

@@ -1,5 +1,5 @@
 """From an OpenAI request to a planned engine request: messages rendered with the model's chat template,
-stored chunks found in the prompt and laid out around (`recognize`), or the explicit documents of
+stored chunks found in the prompt and laid out around them by the engine (`Engine.plan_prompt`), or the explicit documents of
 `extra_body={"documents": [...]}` in the engine's own layout; nothing found: plain full prefill."""
 
 from __future__ import annotations
@@ -9,11 +9,8 @@ from dataclasses import dataclass, replace
 
 from ..config import DEFAULT_SELECTION, MIN_RECOMPUTE_TOKENS, RequestOptions
 from ..engine.core import Engine
-from ..engine.planning import plan_layout
-from ..engine.recognize import Layout, layout
 from ..stages.request import Plan, Stream
 from .requests import APIError, ChatRequest, CompletionRequest, Generation
-from .tenants import Scope
 
 
 @dataclass(frozen=True)
@@ -80,49 +77,21 @@ def stream_plan(engine: Engine, plan: Plan, options: RequestOptions) -> Stream:
     return engine.decode(plan, engine.prefill(plan, options), options, started)
 
 
-def _question(messages: tuple[dict, ...], chunks: tuple[str, ...]) -> str:
-    """The user's question alone: the last user message without the chunks pasted into it."""
-    text = messages[-1]["content"]
-    for chunk in chunks:
-        text = text.replace(chunk, " ")
-    return " ".join(text.split()) or messages[-1]["content"][-500:]
-
-
-def selection_for(engine: Engine, found: Layout, options: RequestOptions) -> RequestOptions:
-    """cacheclip's query-driven selection reads the question's attention from the rows after the chunks; a
-    prompt that asks before its context (the user's words are not in the text after the last chunk) is
-    selected by the aux, from the user's words, instead (the paper's selection)."""
-    if options.method != "cacheclip" or options.selection != "question" or engine.aux is None:
-        return options
-    if " ".join(found.question.split()) in " ".join(found.tail.split()):
-        return options
-    return replace(options, selection="aux", aux_share=0.0)
-
-
-def _recognised(engine: Engine, index: Scope, prompt: str, *, question: str, options: RequestOptions,
-                messages: tuple[dict, ...] = ()) -> Planned:
-    t0 = time.perf_counter()
-    matches = index.find(prompt)
-    recognise_s = time.perf_counter() - t0
-    if not matches:
-        return Planned(None, prompt, options, chunks_recognised=0, recognise_s=recognise_s)
-    found = layout(prompt, matches, question)
-    # the question the selection and the spread budget read: the user's words, not the pasted chunks (chat: the
-    # last user message without them; a completion: the text after the last chunk, where its question is)
-    asked = _question(messages, tuple(prompt[m.start : m.stop] for m in matches)) if messages else \
-        " ".join(found.tail.split())
-    found = replace(found, question=asked or question)
-    if messages:  # a chat that asks before its context is selected by the aux (a completion asks after its own)
-        options = selection_for(engine, found, options)
+def _recognised(engine: Engine, prompt: str, options: RequestOptions, messages: tuple[dict, ...] = ()) -> Planned:
+    """The engine's own path for a prompt someone else wrote (`Engine.plan_prompt`): the stored chunks found
+    in it, the question read as the library reads it (a chat: the last message without its pasted chunks; a
+    completion: the text after the last chunk); nothing found: the prompt as written."""
     try:
-        return Planned(plan_layout(engine.primary, found, options), None, options, chunks_recognised=len(matches),
-                       recognise_s=recognise_s)
+        found = engine.plan_prompt(prompt, options, messages=messages)
     except ValueError as err:
         raise APIError(400, str(err), code="context_length_exceeded" if "context" in str(err) else None) from None
+    if found.plan is None:
+        return Planned(None, prompt, options, chunks_recognised=0, recognise_s=found.recognise_s)
+    return Planned(found.plan, None, found.options, chunks_recognised=found.chunks, recognise_s=found.recognise_s)
 
 
-def plan_chat(scope: Scope, request: ChatRequest, defaults: Defaults) -> Planned:
-    engine, options = scope.engine, options_for(request.generation, defaults)
+def plan_chat(engine: Engine, request: ChatRequest, defaults: Defaults) -> Planned:
+    options = options_for(request.generation, defaults)
     messages = request.messages
     if request.generation.documents:  # the engine's own layout over the given documents
         system = next((m["content"] for m in messages if m["role"] == "system" and m["content"].strip()), None)
@@ -132,16 +101,15 @@ def plan_chat(scope: Scope, request: ChatRequest, defaults: Defaults) -> Planned
                            options, len(request.generation.documents))
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-    return _recognised(engine, scope, render_chat(engine, messages), question=messages[-1]["content"], options=options,
-                       messages=messages)
+    return _recognised(engine, render_chat(engine, messages), options, messages)
 
 
-def plan_completion(scope: Scope, request: CompletionRequest, defaults: Defaults) -> Planned:
-    engine, options = scope.engine, options_for(request.generation, defaults)
+def plan_completion(engine: Engine, request: CompletionRequest, defaults: Defaults) -> Planned:
+    options = options_for(request.generation, defaults)
     if request.generation.documents:
         try:
             return Planned(engine.plan(request.prompt, list(request.generation.documents), options), None, options,
                            len(request.generation.documents))
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), "documents") from None
-    return _recognised(engine, scope, request.prompt, question=request.prompt[-500:], options=options)
+    return _recognised(engine, request.prompt, options)

@@ -22,10 +22,8 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from ..engine.core import Engine
-from ..engine.recognize import Match, StoreIndex
 from .keys import SHARED, Tenant
 
 MAX_VIEWS = 256  # (tenant, salt) engine views kept; a view is a few small objects over the shared models
@@ -38,31 +36,21 @@ def salted(tenant: Tenant, salt: str | None) -> str:
     return f"{tenant.name}\x01salt:{hashlib.sha256(salt.encode('utf-8', 'surrogatepass')).hexdigest()[:32]}"
 
 
-@dataclass(frozen=True)
-class Scope:
-    """What one request may see: the engine over its namespace and the recogniser over its chunks."""
-
-    engine: Engine
-    index: StoreIndex
-    namespaces: tuple[str, ...]
-
-    def find(self, prompt: str) -> list[Match]:
-        return self.index.find(prompt, self.namespaces)
-
-
 class Tenants:
     """The server's keys and, per (tenant, salt), an engine whose store is that namespace."""
 
     def __init__(self, engine: Engine, keys: dict[str, Tenant], refresh_s: float = 2.0):
         self.engine, self.keys = engine, keys
-        self.index = StoreIndex(engine.store, refresh_s)
+        self.index = engine.recognizer(refresh_s)  # one index; every view finds its tenant's and the corpus' chunks
         self._views: OrderedDict[str, Engine] = OrderedDict()
         self._lock = threading.Lock()
 
-    def scope(self, tenant: Tenant, salt: str | None = None) -> Scope:
+    def scope(self, tenant: Tenant, salt: str | None = None) -> Engine:
+        """The engine a request of `tenant` (with `salt`) runs on: its namespace's caches (a salt reuses only
+        what the same salt stored), its tenant's and the operator's chunks recognised."""
         namespace = salted(tenant, salt)
-        readable = () if salt is not None else (SHARED,)  # a salt reuses only what the same salt stored
-        return Scope(self.view(namespace, readable, tenant.name), self.index, (tenant.name, SHARED))
+        readable = () if salt is not None else (SHARED,)
+        return self.view(namespace, readable, tenant.name)
 
     def view(self, namespace: str, readable: tuple[str, ...] = (), owner: str | None = None) -> Engine:
         if namespace == SHARED:
