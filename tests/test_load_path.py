@@ -244,3 +244,30 @@ def test_layerwise_loading_waits_per_layer_and_builds_the_same_cache(tmp_path, a
         first_waits = list(dict.fromkeys(waits))
         assert first_waits == list(range(layers))  # the recompute meets the layers in order
         assert events.index(("wait", 0)) > events.index(("record", 0))
+
+
+def test_a_tenants_view_of_a_host_tier_loads_layer_by_layer_from_its_own_namespace(tmp_path):
+    """Layer-wise loading was chosen by `isinstance(store, HostTier)`, so a server tenant's view (a
+    `NamespacedStore` over the host tier) loaded whole entries; it is now a property of the store, which
+    the view passes through, and the view's host reads stay in its namespace."""
+    from cacheclip_rag.store.namespaced import NamespacedStore
+
+    lm = tiny_model("llama")
+    plain = Engine(primary=lm, aux=lm, store=LMDBStore(tmp_path / "a"),
+                   config=EngineConfig(store_path=tmp_path / "a", system_prompt="Be brief."))
+    events: list = []
+    root = Engine(primary=lm, aux=lm, store=HostTier(LMDBStore(tmp_path / "b"), 1 << 30, pin=False),
+                  config=EngineConfig(store_path=tmp_path / "b", system_prompt="Be brief."),
+                  layer_stream=lambda model: LoggingStream(events))
+    tenant = root.in_namespace("tenant-a", ("",))
+    assert isinstance(tenant.store, NamespacedStore) and tenant.store.layerwise
+    options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=4, min_recompute_tokens=0)
+    keys = tenant.ingest(CHUNKS, progress=False)
+    want, got = plain.generate(QUESTION, CHUNKS, options), tenant.generate(QUESTION, CHUNKS, options)
+    assert got.token_ids == want.token_ids and max_diff(got.first_logits, want.first_logits) == 0.0
+    assert [e[1] for e in events if e[0] == "record"] == list(range(lm.config.num_hidden_layers))
+    fingerprint = lm.fingerprint.digest
+    shapes = [tuple(e.keys.shape) for e in tenant.store.get_many(keys, fingerprint)]
+    assert all(e is not None for e in tenant.store.host_entries(keys, fingerprint, shapes, lm.dtype))
+    other = root.in_namespace("tenant-b")  # the same chunk keys read nothing of tenant-a's, held or stored
+    assert all(e is None for e in other.store.host_entries(keys, fingerprint, shapes, lm.dtype))

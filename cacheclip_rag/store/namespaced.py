@@ -87,6 +87,24 @@ class NamespacedStore:
                 found[i] = entry
         return found
 
+    @property
+    def layerwise(self) -> bool:
+        """Layer-wise loading works through the view wherever it works on the store beneath."""
+        return bool(getattr(self.inner, "layerwise", False))
+
+    def host_entries(self, keys: list[bytes], fingerprint: str, shapes: Sequence[Sequence[int]], dtype: Any) -> list:
+        """The host tier's entries of this namespace (then of `readable`), never another's."""
+        found = self.inner.host_entries(self._own(keys), fingerprint, shapes, dtype)
+        for other in self.readable:
+            missing = [i for i, entry in enumerate(found) if entry is None]
+            if not missing:
+                break
+            more = self.inner.host_entries([namespace_key(other, keys[i]) for i in missing], fingerprint,
+                                           [shapes[i] for i in missing], dtype)
+            for i, entry in zip(missing, more):
+                found[i] = entry
+        return found
+
     def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
         self.inner.put_many([(namespace_key(self.namespace, k), f, e) for k, f, e in items])
 

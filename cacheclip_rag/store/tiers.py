@@ -225,6 +225,8 @@ class HostTier(_Tier):
         copy_tensor(entry.values, values)
         return replace(entry, keys=keys, values=values)
 
+    layerwise = True  # entries are held in host memory: a GPU cache can be filled from them layer by layer
+
     def host_entries(self, keys: list[bytes], fingerprint: str, shapes: Sequence[Sequence[int]],
                      dtype: torch.dtype) -> list[ChunkEntry | None]:
         """Entries in host memory of `dtype` (held, or read from the store into held memory), for a

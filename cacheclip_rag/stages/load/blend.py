@@ -30,7 +30,6 @@ from ..recompute.forward import recompute
 from ..request import Plan
 from .rope import rotate_keys_
 from ...store import ChunkEntry, KVStore
-from ...store.tiers import HostTier
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,8 @@ def blended_cache(parts: Parts, plan: Plan, options: RequestOptions, shared: boo
     deltas = [offset - computed_at if reposition else 0 for offset in plan.chunk_offsets]
     variant = SHARED if shared else DIRECT
     batch, dtype = parts.config.ingest_batch_size, store_dtype(parts, lm)
-    stream = parts.layer_stream(lm) if isinstance(parts.store, HostTier) else None
+    # layer by layer where the store keeps entries in host memory (a host tier, or a tenant's view of one)
+    stream = parts.layer_stream(lm) if getattr(parts.store, "layerwise", False) else None
     if stream is not None:
         loaded = load_layerwise(lm, parts.store, texts=plan.texts, token_ids=plan.chunk_ids, slots=slots, deltas=deltas,
                                 variant=variant, system_prompt=plan.system_prompt, stream=stream, batch_size=batch,
