@@ -92,7 +92,7 @@ def test_exact_budget_fills_whole_windows_up_to_the_ratio():
     exact rule grows the candidate pool until the grouped selection meets the budget, overshooting by
     less than two windows, and never picks a token scored -inf."""
     from cacheclip_rag.stages.group import grouped_to_budget
-    from cacheclip_rag.stages.select.scores import top_k_candidates
+    from cacheclip_rag.stages.group import top_k_candidates
 
     g = torch.Generator().manual_seed(0)
     for trial in range(20):

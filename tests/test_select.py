@@ -6,7 +6,8 @@ import torch
 from cacheclip_rag.stages.load.blend import chunk_entries
 from cacheclip_rag.config import RequestOptions
 from cacheclip_rag.stages.load.ingest import SHARED, chunk_unit
-from cacheclip_rag.stages.select.scores import aux_scores, top_k_candidates
+from cacheclip_rag.stages.group import top_k_candidates
+from cacheclip_rag.stages.select.scores import aux_scores
 from cacheclip_rag.stages.select.selection import aux_attention
 from cacheclip_rag.testing import tiny_model
 from tests.conftest import CHUNKS, QUESTION, max_diff

@@ -9,6 +9,7 @@ than tau whose tokens are all candidates is kept whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -73,3 +74,25 @@ def grouped_to_budget(
         else:
             lo = mid
     return select(hi)
+
+
+def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:
+    """Bool masks per chunk: the top ceil(ratio x total tokens) scores over all chunks together
+    (tokens scored -inf never: they do not count as candidates)."""
+    lengths = [s.numel() for s in scores]
+    flat = torch.cat([s.float().flatten() for s in scores])
+    k = min(int(torch.isfinite(flat).sum()), math.ceil(ratio * flat.numel() - 1e-9))
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
+    if k > 0:
+        chosen[torch.topk(flat, k).indices] = True
+    return list(chosen.split(lengths))
+
+
+def to_budget(scores: list[torch.Tensor], ratio: float, *, window: int, threshold: int, grouped: bool = True,
+              exact: bool = True) -> list[torch.Tensor]:
+    """The one budget every selector spends: the best-scored rows for `ratio` of all chunk rows, grouped by
+    sliding windows (CacheClip) or plain top-k (`grouped=False`: CacheBlend's tokens, the `grouping=False`
+    ablation). Rows scored -inf are never chosen."""
+    if not grouped:
+        return top_k_candidates(scores, ratio)
+    return grouped_to_budget(scores, ratio, window=window, threshold=threshold, exact=exact)

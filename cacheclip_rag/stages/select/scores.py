@@ -1,4 +1,4 @@
-"""Token importance scores for selective recompute, and top-k candidates.
+"""Token importance scores for selective recompute (the budget they are spent on: `group.to_budget`).
 
 - `aux_scores` (CacheClip, section 4.2): the aux model runs the question over each chunk's stored
   aux KV, all chunks batched as `chunk_i + question`; the last layer's attention from question
@@ -6,7 +6,7 @@
 - `value_deviation_scores` (CacheBlend): layers 0-1 recomputed for every chunk token; the score is
   how far layer 1's recomputed values moved from the cached ones.
 - `primary_attention_scores` (oracle): the primary's own last-layer question->chunk attention under
-  full prefill; the ceiling for any selector.
+  full prefill; a reference, not a ceiling (the question's attention over the reused cache beat it).
 - `boundary_selection`: each chunk's seam and first tokens, recomputed first (`boundary_tokens`).
 """
 
@@ -28,18 +28,6 @@ from ...store import ChunkEntry
 
 if TYPE_CHECKING:
     from ..request import Plan
-
-
-def top_k_candidates(scores: Sequence[torch.Tensor], ratio: float) -> list[torch.Tensor]:
-    """Bool masks per chunk: the top ceil(ratio x total tokens) scores over all chunks together
-    (tokens scored -inf never: they do not count as candidates)."""
-    lengths = [s.numel() for s in scores]
-    flat = torch.cat([s.float().flatten() for s in scores])
-    k = min(int(torch.isfinite(flat).sum()), math.ceil(ratio * flat.numel() - 1e-9))
-    chosen = torch.zeros(flat.numel(), dtype=torch.bool)
-    if k > 0:
-        chosen[torch.topk(flat, k).indices] = True
-    return list(chosen.split(lengths))
 
 
 def _slot_mask(

@@ -29,7 +29,7 @@ from ..load.blend import Parts, chunk_entries, positions_of, side_stream
 from ..cache import BlendedCache
 from ...config import DEFAULT_AUX, RequestOptions
 from ...models.embedded import missing
-from ..group import grouped_to_budget
+from ..group import to_budget as group_budget
 from ..load.ingest import SHARED, chunk_unit
 from ...models.loading import LoadedModel, layer_types
 from ..recompute.forward import forward_at
@@ -39,7 +39,6 @@ from .scores import (
     boundary_selection,
     primary_attention_scores,
     question_tokens,
-    top_k_candidates,
     value_deviation_scores,
 )
 
@@ -63,14 +62,11 @@ def none_of(plan: Plan) -> Selection:
     return Selection(tuple(torch.zeros(len(ids), dtype=torch.bool) for ids in plan.chunk_ids))
 
 
-def to_budget(parts: Parts, options: RequestOptions, scores: list[torch.Tensor], ratio: float) -> list[torch.Tensor]:
-    """The best-scored rows for `ratio` of all chunk rows: grouped by sliding windows (the method), or
-    plain top-k (the `grouping=False` ablation). Rows scored -inf are never chosen."""
-    if not options.diagnostics.grouping:
-        return top_k_candidates(scores, ratio)
-    config = parts.config
-    return grouped_to_budget(scores, ratio, window=config.window, threshold=config.threshold,
-                             exact=options.diagnostics.exact_budget)
+def to_budget(parts: Parts, options: RequestOptions, scores: list[torch.Tensor], ratio: float,
+              grouped: bool = True) -> list[torch.Tensor]:
+    """`group.to_budget` with the engine's window and the request's diagnostics (grouping off: plain top-k)."""
+    return group_budget(scores, ratio, window=parts.config.window, threshold=parts.config.threshold,
+                        grouped=grouped and options.diagnostics.grouping, exact=options.diagnostics.exact_budget)
 
 
 def question_scores(parts: Parts, cache: BlendedCache, plan: Plan, options: RequestOptions) -> torch.Tensor:
@@ -164,7 +160,8 @@ def value_deviation(parts: Parts, cache: BlendedCache, plan: Plan, options: Requ
     no grouping, as CacheBlend has none)."""
     chunk_ids = torch.tensor(plan.all_ids()[plan.prefix_len : plan.question_start])
     deviation = value_deviation_scores(parts.primary, cache, chunk_ids, plan.prefix_len, kernel=parts.kernel)
-    return Selection(tuple(top_k_candidates([deviation[a:b] for a, b in plan.chunk_rows()], options.ratio)))
+    return Selection(tuple(to_budget(parts, options, [deviation[a:b] for a, b in plan.chunk_rows()], options.ratio,
+                                     grouped=False)))
 
 
 def oracle_attention(parts: Parts, plan: Plan, options: RequestOptions) -> Selection:
