@@ -35,7 +35,7 @@ VARIANTS = {  # label -> (engine, request options besides the ratio)
     "cacheblend": ("float", dict(method="cacheblend")),
     "cacheclip": ("float", dict(method="cacheclip", selection="aux")),  # the paper's aux selection
     "cacheclip, int8 aux": ("int8", dict(method="cacheclip", selection="aux")),
-    "cacheclip_requery": ("float", dict(method="cacheclip", requery=0.0)),  # the default selection since 2026-12-03
+    "cacheclip_requery": ("float", dict(method="cacheclip", selection="question")),  # the default selection since 2026-12-03
 }
 
 

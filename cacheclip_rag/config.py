@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,11 +204,6 @@ class RequestOptions:
     ape_scale: float = APE_SCALE  # method "ape": the chunks' share of attention is raised to scale x temperature
     diagnostics: Diagnostics = DIAGNOSTICS  # ablations and timing (experiments only)
 
-    @property
-    def requery(self) -> float | None:
-        """The old spelling of the selection (deprecated): the aux's share with "question", None with "aux"."""
-        return self.aux_share if self.selection == "question" else None
-
     def __post_init__(self) -> None:
         _require_int("max_new_tokens", self.max_new_tokens)
         _require_int("min_recompute_tokens", self.min_recompute_tokens)
@@ -248,7 +242,7 @@ class RequestOptions:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if isinstance(self.aux_share, bool) or not isinstance(self.aux_share, (int, float)) \
                 or not 0.0 <= self.aux_share < 1.0:
-            raise ValueError(f"aux_share (requery: the aux's share of the budget) must be a number in [0, 1), "
+            raise ValueError(f"aux_share (the aux's share of the budget) must be a number in [0, 1), "
                              f"got {self.aux_share!r}")
         if self.aux_share and self.selection != "question":
             raise ValueError("aux_share is the aux's first stage of selection='question'")
@@ -256,31 +250,7 @@ class RequestOptions:
             raise TypeError(f"diagnostics must be a Diagnostics, got {type(self.diagnostics).__name__}")
         if self.diagnostics.boundary_tokens is not None and self.selection != "aux":
             raise ValueError("boundary_tokens is an option of the paper's aux selection: set selection='aux' "
-                             "(requery=None) with it (the default selection spends the whole budget by the "
-                             "question's attention)")
+                             "with it (the default selection spends the whole budget by the question's attention)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
-
-_UNSET = object()
-_dataclass_init = RequestOptions.__init__
-
-
-def _init_with_requery(self: RequestOptions, *args, requery: object = _UNSET, **kwargs) -> None:
-    """`RequestOptions(requery=p)`, the old spelling of the selection (deprecated, kept for one release):
-    None is selection="aux", a number p is selection="question" with aux_share=p."""
-    if requery is not _UNSET:
-        warnings.warn("RequestOptions(requery=...) is deprecated: use selection='question' (aux_share=p) or "
-                      "selection='aux'", DeprecationWarning, stacklevel=2)
-        if "selection" in kwargs or "aux_share" in kwargs:
-            raise ValueError("give requery or selection/aux_share, not both")
-        if requery is None:
-            kwargs["selection"] = "aux"
-        elif isinstance(requery, bool) or not isinstance(requery, (int, float)) or not 0.0 <= requery < 1.0:
-            raise ValueError(f"requery (the aux's share of the budget) must be a number in [0, 1) or None, got {requery!r}")
-        else:
-            kwargs["aux_share"] = float(requery)
-    _dataclass_init(self, *args, **kwargs)
-
-
-RequestOptions.__init__ = _init_with_requery  # type: ignore[method-assign]

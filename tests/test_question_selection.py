@@ -38,13 +38,13 @@ def test_aux_share_spends_the_budget_and_counts_stage_ones_rows_twice(make_engin
 
 
 def test_the_default_selection_is_the_questions_attention_and_the_papers_aux_selection_is_kept(make_engine, monkeypatch):
-    """cacheclip's default is requery=0 (it won on the default primary, bench/RESULTS.md): the aux is not run;
-    requery=None reproduces the paper's aux selection."""
+    """cacheclip's default is the question's attention with no aux stage (it won on the default primary,
+    bench/RESULTS.md): the aux is not run; selection="aux" reproduces the paper's aux selection."""
     engine = make_engine(tiny_model("llama"))
     calls = []
     select = methods.aux_attention
     monkeypatch.setattr(methods, "aux_attention", lambda *a: calls.append(1) or select(*a))
-    assert RequestOptions().requery == 0.0
+    assert (RequestOptions().selection, RequestOptions().aux_share) == ("question", 0.0)
     _, default = prefill(engine, ratio=0.3)
     assert not calls
     _, alone = prefill(engine, ratio=0.3, requery=0.0)
@@ -88,23 +88,21 @@ def test_a_probe_on_rows_keeps_their_mean_over_heads_and_rows():
     assert max_diff(reduced.weights, whole.weights[:, :, rows].mean(dim=(1, 2))) < 1e-6
 
 
-@pytest.mark.parametrize("kw, match", [({"requery": 1.0}, "requery"), ({"requery": -0.1}, "requery"),
-                                       ({"requery": True}, "requery"), ({"requery": "half"}, "requery"),
-                                       ({"requery": 0.5, "boundary_tokens": 2}, "requery=None"),
-                                       ({"boundary_tokens": 2}, "requery=None")])
+@pytest.mark.parametrize("kw, match", [({"requery": 1.0}, "aux_share"), ({"requery": -0.1}, "aux_share"),
+                                       ({"requery": True}, "aux_share"), ({"requery": "half"}, "aux_share"),
+                                       ({"requery": 0.5, "boundary_tokens": 2}, "selection='aux'"),
+                                       ({"boundary_tokens": 2}, "selection='aux'")])
 def test_bad_requery_options_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         options_of(**kw)
 
 
-def test_requery_is_a_deprecated_spelling_of_the_selection():
-    """RequestOptions(requery=...) (the old spelling) maps to selection and aux_share, with a warning."""
-    for requery, selection, share in ((None, "aux", 0.0), (0.0, "question", 0.0), (0.5, "question", 0.5)):
-        with pytest.warns(DeprecationWarning, match="selection"):
-            options = RequestOptions(requery=requery)
-        assert (options.selection, options.aux_share, options.requery) == (selection, share, requery)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="requery"):
-        RequestOptions(requery=1.0)
+def test_the_old_requery_spelling_is_gone_from_the_library():
+    """`RequestOptions(requery=...)` was deprecated for a release; only the HTTP API still reads the old field
+    (tests/test_serve.py)."""
+    with pytest.raises(TypeError, match="requery"):
+        RequestOptions(requery=0.5)
+    assert not hasattr(RequestOptions(), "requery")
     with pytest.raises(ValueError, match="selection"):
         RequestOptions(selection="attention")
 

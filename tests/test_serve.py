@@ -179,12 +179,14 @@ def test_a_request_picks_the_selection_and_usage_says_which(live, engine):
     url, _ = live
     messages = rag_messages(CHUNKS[1:])
     prompt = render_chat(engine, tuple(messages))
+    spelled = {None: {"selection": "aux"}, 0.5: {"selection": "question", "aux_share": 0.5}}  # the library's words
     for chosen in ({"requery": None}, {"requery": 0.5}, {}):
         reply = client(url).chat.completions.create(
             model="cacheclip", messages=messages, max_tokens=6,
             extra_body={"cacheclip": {"method": "cacheclip", "ratio": 0.3, **chosen}})
         assert reply.usage.model_dump()["cacheclip"]["requery"] == chosen.get("requery", 0.0)
-        options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=6, **chosen)
+        options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=6,
+                                 **(spelled[chosen["requery"]] if chosen else {}))
         assert reply.choices[0].message.content == in_process(engine, prompt, CHUNKS[1:], options)
     # requery is the old spelling (deprecated) of selection and aux_share
     for chosen, requery in (({"selection": "aux"}, None), ({"selection": "question", "aux_share": 0.5}, 0.5)):
@@ -215,9 +217,9 @@ def test_a_prompt_that_asks_before_its_context_is_selected_by_the_aux(live, engi
     default = RequestOptions()
     before = Layout(head="Q? ", chunks=("a",), between=("",), tail=" Answer:", question="Q?")
     after = replace(before, head="", tail=" Q?  Answer:")
-    assert selection_for(before, default, has_aux=True).requery is None
+    assert selection_for(before, default, has_aux=True).selection == "aux"
     assert selection_for(after, default, has_aux=True) == default
-    assert selection_for(before, RequestOptions(method="cacheblend"), has_aux=True).requery == default.requery
+    assert selection_for(before, RequestOptions(method="cacheblend"), has_aux=True) == RequestOptions(method="cacheblend")
     assert selection_for(before, default, has_aux=False) == default  # no aux: nothing else to use
 
 

@@ -218,7 +218,8 @@ class Server:
                 "cacheclip": {"method": planned.options.method if planned.plan is not None else "full",
                               "ratio": answer.ratio if answer and planned.plan is not None else planned.options.ratio,
                               "selection": planned.options.selection, "aux_share": planned.options.aux_share,
-                              "requery": planned.options.requery,  # the old spelling (deprecated)
+                              # the old spelling of the selection (deprecated, HTTP only): the aux's share, or null
+                              "requery": planned.options.aux_share if planned.options.selection == "question" else None,
                               "chunks_recognised": planned.chunks_recognised,
                               "reused_tokens": reused, "recomputed_chunk_tokens": recomputed if planned.plan else 0,
                               "recognise_s": planned.recognise_s, "timings": timings}}

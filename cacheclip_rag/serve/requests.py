@@ -4,11 +4,14 @@ naming the field, never a traceback."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SELECTIONS, SPREAD_RATIO
+
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -203,6 +206,17 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
                       min_recompute_tokens=floor)
 
 
+def _warn_requery() -> None:
+    """Said once a process: the library no longer takes the spelling; the HTTP API still reads it."""
+    if not _warned_requery:
+        _warned_requery.append(True)
+        log.warning("a request used 'cacheclip.requery', the deprecated spelling of the selection: use "
+                    "'selection' ('question' with 'aux_share', or 'aux')")
+
+
+_warned_requery: list[bool] = []
+
+
 def _selection(ours: dict) -> tuple[str | None, float | None]:
     """`selection` and `aux_share` as named, or from `requery`, their old spelling (deprecated; null: the
     paper's aux selection, a number p: the question's with the aux's share p)."""
@@ -212,6 +226,7 @@ def _selection(ours: dict) -> tuple[str | None, float | None]:
                        "cacheclip.selection")
     aux_share = None if ours.get("aux_share") is None else _number(ours, "aux_share", 0.0, low=0.0, high=1.0)
     if "requery" in ours:
+        _warn_requery()
         if selection is not None or aux_share is not None:
             raise APIError(400, "give 'requery' (deprecated) or 'selection'/'aux_share', not both", "requery")
         if ours["requery"] is None:
