@@ -5,7 +5,7 @@ the miss path of every request, in one place)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -292,42 +292,48 @@ def compute_missing(lm: LoadedModel, store: KVStore, prefix: PrefixCache, missin
     return views
 
 
+def read_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], read: Callable[[list[bytes]], list], *,
+                    variant: str, system_prompt: str | FormattedPrefix, batch_size: int = 4,
+                    store_dtype: torch.dtype | None = None, bare: Sequence[bool] | None = None,
+                    token_ids: Sequence[Sequence[int]] | None = None) -> tuple[PrefixCache, list[bytes], list, dict]:
+    """The one request-time load every loader shares: the prefix, each chunk's key, what `read(keys)` found
+    (an intact entry whose tokens are not `token_ids[i]`, another chunk's under this key or a changed
+    tokenizer, is quarantined and counts as missing), and the misses computed and stored, as views by key.
+    `bare[i]`: chunk i without its separator (`chunk_unit`)."""
+    prefix = prefix_cache(lm, store, system_prompt)
+    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
+    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
+    found = read(keys)
+    for i, (key, entry) in enumerate(zip(keys, found)):
+        if token_ids is not None and entry is not None and entry.token_ids != tuple(token_ids[i]):
+            store.quarantine(key, "its token ids are not those of the text its key names")
+            found[i] = None
+    missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
+    views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype,
+                            texts_of=dict(zip(keys, texts))) if missing else {}
+    return prefix, keys, found, views
+
+
 def fetch_or_compute(lm: LoadedModel, store: KVStore, texts: Sequence[str], *, variant: str,
                      system_prompt: str | FormattedPrefix, batch_size: int = 4, store_dtype: torch.dtype | None = None,
                      bare: Sequence[bool] | None = None) -> tuple[PrefixCache, list[ChunkEntry]]:
     """The prefix and each chunk's entry (new tensors on the model's device): read, or computed,
-    stored and served where missing. `bare[i]`: chunk i without its separator (`chunk_unit`)."""
-    prefix = prefix_cache(lm, store, system_prompt)
-    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
-    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
-    found = fetch(lm, store, keys)
-    missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
-    if missing:
-        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype,
-                                texts_of=dict(zip(keys, texts)))
-        found = [views[k].decode(lm.device) if e is None else e for k, e in zip(keys, found)]
-    return prefix, found  # type: ignore[return-value]
+    stored and served where missing."""
+    prefix, keys, found, views = read_or_compute(lm, store, texts, lambda keys: fetch(lm, store, keys), variant=variant,
+                                                 system_prompt=system_prompt, batch_size=batch_size,
+                                                 store_dtype=store_dtype, bare=bare)
+    return prefix, [views[k].decode(lm.device) if e is None else e for k, e in zip(keys, found)]
 
 
 def load_into(lm: LoadedModel, store: KVStore, *, texts: Sequence[str], token_ids: Sequence[Sequence[int]],
               slots: Sequence[Slot], variant: str, system_prompt: str | FormattedPrefix, batch_size: int = 4,
               store_dtype: torch.dtype | None = None, bare: Sequence[bool] | None = None) -> Loaded:
     """Each chunk's cache decoded straight into `slots[i]` (views of the request's blended cache), the
-    misses computed, stored and placed. An intact entry whose tokens are not `token_ids[i]` (another
-    chunk's entry under this key, or a changed tokenizer) is quarantined and recomputed."""
-    prefix = prefix_cache(lm, store, system_prompt)
-    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
-    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
-    found = store.read_into(keys, lm.fingerprint.digest, slots)
-    for i, (key, entry) in enumerate(zip(keys, found)):
-        if entry is not None and entry.token_ids != tuple(token_ids[i]):
-            store.quarantine(key, "its token ids are not those of the text its key names")
-            found[i] = None
-    missing = {k: u for k, u, e in zip(keys, units, found) if e is None}
-    if missing:
-        views = compute_missing(lm, store, prefix, missing, variant=variant, batch_size=batch_size, store_dtype=store_dtype,
-                                texts_of=dict(zip(keys, texts)))
-        for key, entry, slot in zip(keys, found, slots):
-            if entry is None:
-                views[key].copy_into(slot)
+    misses computed, stored and placed (`read_or_compute`)."""
+    prefix, keys, found, views = read_or_compute(
+        lm, store, texts, lambda keys: store.read_into(keys, lm.fingerprint.digest, slots), variant=variant,
+        system_prompt=system_prompt, batch_size=batch_size, store_dtype=store_dtype, bare=bare, token_ids=token_ids)
+    for key, entry, slot in zip(keys, found, slots):
+        if entry is None:
+            views[key].copy_into(slot)
     return Loaded(prefix, tuple(e is not None for e in found))

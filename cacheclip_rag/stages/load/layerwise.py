@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from .ingest import FormattedPrefix, Loaded, chunk_unit, compute_missing, prefix_cache, unit_key
+from .ingest import FormattedPrefix, Loaded, read_or_compute
 from ...models.loading import LoadedModel
 from .rope import rotate_keys_
 from ...store import ChunkEntry, Slot
@@ -76,21 +76,13 @@ def load_layerwise(lm: LoadedModel, tier: HostTier, *, texts: Sequence[str], tok
     """`ingest.load_into` for a GPU cache behind a host tier, through `stream`: entries gathered in host
     memory first (held, read, or computed), then queued layer by layer with their re-rotation by
     `deltas[i]`. The caller makes the recompute wait for each layer (`BlendedCache.wait_for_layer`)."""
-    prefix = prefix_cache(lm, tier, system_prompt)
-    units = [chunk_unit(lm, t, b) for t, b in zip(texts, bare or [False] * len(texts))]
-    keys = [unit_key(lm, prefix.token_ids, u, variant) for u in units]
     dtype = slots[0][0].dtype if slots else lm.dtype
-    sources = tier.host_entries(keys, lm.fingerprint.digest, [tuple(s[0].shape) for s in slots], dtype)
-    for i, (key, entry) in enumerate(zip(keys, sources)):
-        if entry is not None and entry.token_ids != tuple(token_ids[i]):
-            tier.quarantine(key, "its token ids are not those of the text its key names")
-            sources[i] = None
-    missing = {k: u for k, u, e in zip(keys, units, sources) if e is None}
+    shapes = [tuple(s[0].shape) for s in slots]
+    prefix, keys, sources, views = read_or_compute(
+        lm, tier, texts, lambda keys: tier.host_entries(keys, lm.fingerprint.digest, shapes, dtype), variant=variant,
+        system_prompt=system_prompt, batch_size=batch_size, store_dtype=store_dtype, bare=bare, token_ids=token_ids)
     read = tuple(e is not None for e in sources)
-    if missing:
-        views = compute_missing(lm, tier, prefix, missing, variant=variant, batch_size=batch_size,
-                                store_dtype=store_dtype, texts_of=dict(zip(keys, texts)))
-        sources = [views[k].decode("cpu", dtype, pin=tier.pin) if e is None else e for k, e in zip(keys, sources)]
+    sources = [views[k].decode("cpu", dtype, pin=tier.pin) if e is None else e for k, e in zip(keys, sources)]
 
     rotations: dict = {}  # cos, sin per (layer type, delta): computed once per request, not per layer
 
