@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 
 from cacheclip_rag.serve.keys import load_keys  # noqa: E402
 from cacheclip_rag.serve.limits import ClientSlots  # noqa: E402
-from cacheclip_rag.serve.worker import Job  # noqa: E402
+from cacheclip_rag.engine.scheduler import Job  # noqa: E402
 from tests.test_serve import engine, rag_messages, running  # noqa: E402,F401 - engine: the served tiny model fixture
 
 GOOD, BAD = "sk-good-client-" + "g" * 10, "sk-abusive-one-" + "b" * 10

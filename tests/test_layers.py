@@ -95,9 +95,10 @@ def test_one_list_of_methods():
     assert tuple(PREFILLS) == METHODS
 
 
-def test_the_server_plans_and_recognises_through_the_engine():
+def test_the_server_plans_recognises_and_schedules_through_the_engine():
     """`serve/` once re-did `Engine.stream_prompt` (its own recognition, question and layout); it now calls
     `Engine.plan_prompt`, so the two paths cannot drift."""
     inside = {"cacheclip_rag.engine.planning", "cacheclip_rag.engine.recognize", "cacheclip_rag.engine.prompts"}
     reached = {t for m, targets in graph().items() if m.startswith("cacheclip_rag.serve.") for t in targets}
     assert reached & inside == set()
+    assert not any(t.startswith("cacheclip_rag.stages.decode") for t in reached)  # the decode loop: engine.scheduler

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cacheclip_rag.models.openmp_pools import _libgomps, release_thread_pool
-from cacheclip_rag.serve.worker import Worker, off_worker
+from cacheclip_rag.engine.scheduler import Worker, off_worker
 
 pytestmark = pytest.mark.skipif(not _libgomps() or not os.path.isdir("/proc/self/task"),
                                 reason="needs GNU libgomp (torch's Linux wheels) and /proc")

@@ -27,7 +27,7 @@ from cacheclip_rag.engine.recognize import ChunkIndex, Match, layout  # noqa: E4
 from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402
 from cacheclip_rag.engine.planning import plan_layout  # noqa: E402
 from cacheclip_rag.serve.layouts import render_chat, stream_plan  # noqa: E402
-from cacheclip_rag.serve.worker import Job  # noqa: E402
+from cacheclip_rag.engine.scheduler import Job  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 from tests.conftest import CHUNKS  # noqa: E402

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from cacheclip_rag.stages.request import Stream
-from cacheclip_rag.serve.worker import DONE, Job, QueueFull, Worker
+from cacheclip_rag.engine.scheduler import DONE, Job, QueueFull, Worker
 
 
 def job_of(name: str, pieces: int, log: list, loop, fail_at: int | None = None, timeout_s: float = 60) -> Job:

@@ -33,7 +33,7 @@ from .requests import APIError, chat_request, completion_request, parse_json
 from .keys import OPERATOR, Tenant
 from .limits import ClientSlots
 from .tenants import Tenants
-from .worker import DONE, Job, QueueFull, Worker, off_worker
+from ..engine.scheduler import DONE, Job, QueueFull, Worker, off_worker
 
 log = logging.getLogger(__name__)
 

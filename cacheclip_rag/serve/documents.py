@@ -12,7 +12,7 @@ from ..stages.load.ingest import FormattedPrefix
 from .keys import Tenant
 from .layouts import system_head
 from .requests import APIError, check_fields
-from .worker import off_worker
+from ..engine.scheduler import off_worker
 
 MAX_ID_CHARS = 256
 

@@ -1,4 +1,5 @@
-"""The model's one worker thread and the bounded queue in front of it.
+"""The engine's scheduler: the model's one worker thread and the bounded queue in front of it (the server
+runs every request through it, as vLLM v1 keeps scheduling in its engine core).
 
 The engine runs one forward at a time (a forward already keeps every core busy); the HTTP front is
 async and never blocks on the model. Scheduling puts the first token first: a
@@ -34,8 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..stages.decode.batching import forward_rows
 from ..models.openmp_pools import release_thread_pool, to_thread_releasing
+from ..stages.decode.batching import forward_rows
 from ..stages.request import Answer, Stream
 
 DONE = object()  # the end of a job's pieces
