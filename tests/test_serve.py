@@ -26,7 +26,7 @@ from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.engine.recognize import ChunkIndex, Match, layout  # noqa: E402
 from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402
 from cacheclip_rag.engine.planning import plan_layout  # noqa: E402
-from cacheclip_rag.serve.layouts import render_chat, stream_plan  # noqa: E402
+from cacheclip_rag.serve.layouts import render_chat  # noqa: E402
 from cacheclip_rag.engine.scheduler import Job  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
@@ -99,7 +99,7 @@ def in_process(engine: Engine, prompt: str, chunks: list[str], options: RequestO
         matches.append(Match(start, start + len(chunk)))
         at = start + len(chunk)
     plan = plan_layout(engine.primary, layout(prompt, matches, QUESTION), options)
-    stream = stream_plan(engine, plan, options)
+    stream = engine.run_plan(plan, options)
     return "".join(stream)
 
 
@@ -129,7 +129,7 @@ def test_a_layout_of_the_engines_own_prompt_gives_the_engines_own_answer(engine)
         options = RequestOptions(method=method, ratio=0.3, max_new_tokens=4)
         own, laid = engine.plan(QUESTION, CHUNKS, options), plan_layout(engine.primary, found, options)
         assert laid.all_ids() == own.all_ids() and not laid.has_gaps
-        a, b = engine.generate(QUESTION, CHUNKS, options), stream_plan(engine, laid, options)
+        a, b = engine.generate(QUESTION, CHUNKS, options), engine.run_plan(laid, options)
         text = "".join(b)
         assert text == a.text and (b.answer.first_logits - a.first_logits).abs().max() < 1e-5
 
@@ -140,16 +140,16 @@ def test_text_between_chunks_is_computed_and_ratio_one_is_full_prefill_of_the_la
     assert len(found.chunks) == 2
     full = plan_layout(engine.primary, found, RequestOptions(method="full", max_new_tokens=3))
     assert full.has_gaps and full.bare == (True, True)  # not followed by the separator: stored alone
-    reference = stream_plan(engine, full, RequestOptions(method="full", max_new_tokens=3))
+    reference = engine.run_plan(full, RequestOptions(method="full", max_new_tokens=3))
     "".join(reference)
     for method, ratio in (("cacheclip", 1.0), ("cacheblend", 1.0)):
         options = RequestOptions(method=method, ratio=ratio, max_new_tokens=3)
-        got = stream_plan(engine, plan_layout(engine.primary, found, options), options)
+        got = engine.run_plan(plan_layout(engine.primary, found, options), options)
         "".join(got)
         assert got.answer.token_ids == reference.answer.token_ids
         assert (got.answer.first_logits - reference.answer.first_logits).abs().max() < 1e-4
     with pytest.raises(ValueError, match="ape"):
-        stream_plan(engine, plan_layout(engine.primary, found, RequestOptions(method="ape")), RequestOptions(method="ape"))
+        engine.run_plan(plan_layout(engine.primary, found, RequestOptions(method="ape")), RequestOptions(method="ape"))
 
 
 # ---- the official client ------------------------------------------------------------------------

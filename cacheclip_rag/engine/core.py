@@ -186,12 +186,16 @@ class Engine:
         started = time.perf_counter() if started is None else started
         return self._stream(plan.length, options, prefill, started)
 
+    def run_plan(self, plan: Plan, options: RequestOptions, started: float | None = None) -> Stream:
+        """A planned request answered: prefill, then decode (TTFT counted from `started`, default now)."""
+        started = time.perf_counter() if started is None else started
+        return self.decode(plan, self.prefill(plan, options), options, started)
+
     def stream(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Stream:
         """Answer `question` over `texts`; iterate the result for text pieces as they decode."""
         options = options or RequestOptions()
         started = time.perf_counter()
-        plan = self.plan(question, texts, options)
-        return self.decode(plan, self.prefill(plan, options), options, started)
+        return self.run_plan(self.plan(question, texts, options), options, started)
 
     def generate(self, question: str, texts: Sequence[str], options: RequestOptions | None = None) -> Answer:
         stream = self.stream(question, texts, options)
@@ -209,7 +213,7 @@ class Engine:
         found = self.plan_prompt(prompt, options, question=question)
         if found.plan is None:
             return self.complete(prompt, options)
-        return self.decode(found.plan, self.prefill(found.plan, found.options), found.options, started)
+        return self.run_plan(found.plan, found.options, started)
 
     def complete(self, prompt: str | Sequence[int], options: RequestOptions | None = None) -> Stream:
         """Plain generation from a whole prompt (no chunks, no reuse): full prefill, then decode.

@@ -27,7 +27,7 @@ from ..config import DEFAULT_SELECTION, METHODS, MIN_RECOMPUTE_TOKENS, RequestOp
 from ..engine.core import Engine
 from ..stages.request import Answer
 from .documents import add_document_routes
-from .layouts import Defaults, Planned, plan_chat, plan_completion, stream_plan
+from .layouts import Defaults, Planned, plan_chat, plan_completion
 from .metrics import Metrics
 from .requests import APIError, chat_request, completion_request, parse_json
 from .keys import OPERATOR, Tenant
@@ -163,7 +163,7 @@ class Server:
     def start(self, engine: Engine, planned: Planned):
         if planned.plan is None:
             return lambda: engine.complete(planned.prompt_ids or planned.prompt, planned.options)
-        return lambda: stream_plan(engine, planned.plan, planned.options)
+        return lambda: engine.run_plan(planned.plan, planned.options)
 
     def client(self, request: Request) -> tuple[str, ...]:
         """The names a request's queue slots are counted under: its key (where keys are in use), its address."""

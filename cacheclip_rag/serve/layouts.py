@@ -4,12 +4,11 @@ stored chunks found in the prompt and laid out around them by the engine (`Engin
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 from ..config import DEFAULT_SELECTION, MIN_RECOMPUTE_TOKENS, RequestOptions
 from ..engine.core import Engine
-from ..stages.request import Plan, Stream
+from ..stages.request import Plan
 from .requests import APIError, ChatRequest, CompletionRequest, Generation
 
 
@@ -69,12 +68,6 @@ def options_for(generation: Generation, defaults: Defaults) -> RequestOptions:
                               top_p=generation.top_p, seed=generation.seed, stop=generation.stop)
     except (TypeError, ValueError) as err:
         raise APIError(400, str(err)) from None
-
-
-def stream_plan(engine: Engine, plan: Plan, options: RequestOptions) -> Stream:
-    """A planned request answered: prefill, then decode (TTFT counted from now)."""
-    started = time.perf_counter()
-    return engine.decode(plan, engine.prefill(plan, options), options, started)
 
 
 def _recognised(engine: Engine, prompt: str, options: RequestOptions, messages: tuple[dict, ...] = ()) -> Planned:
