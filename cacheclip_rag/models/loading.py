@@ -34,6 +34,16 @@ GEMMA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
 
+# the named layouts: prefix template, question template, chunk separator, stop strings
+_LAYOUTS = {
+    "chatml": ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n",
+               "Question: {question}<|im_end|>\n<|im_start|>assistant\n", "\n\n", ("<|im_end|>",)),
+    "gemma_turns": ("<start_of_turn>user\n{system}\n\n",
+                    "Question: {question}<end_of_turn>\n<start_of_turn>model\n", "\n\n", ("<end_of_turn>",)),
+    "completion": ("{system}\n\nDocuments:\n\n", "Question: {question}\nAnswer (short):", "\n\n", ("\n",)),
+}
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """Where chunks and the question sit in a model's prompt.
@@ -55,28 +65,16 @@ class PromptFormat:
 
     @classmethod
     def chatml(cls) -> PromptFormat:
-        return cls(
-            prefix_template="<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n",
-            question_template="Question: {question}<|im_end|>\n<|im_start|>assistant\n",
-            stop_strings=("<|im_end|>",),
-        )
+        return cls(*_LAYOUTS["chatml"])
 
     @classmethod
     def gemma_turns(cls) -> PromptFormat:
-        return cls(
-            prefix_template="<start_of_turn>user\n{system}\n\n",
-            question_template="Question: {question}<end_of_turn>\n<start_of_turn>model\n",
-            stop_strings=("<end_of_turn>",),
-        )
+        return cls(*_LAYOUTS["gemma_turns"])
 
     @classmethod
     def completion(cls) -> PromptFormat:
         """Plain completion layout for base models (chat turns give a base model garbage)."""
-        return cls(
-            prefix_template="{system}\n\nDocuments:\n\n",
-            question_template="Question: {question}\nAnswer (short):",
-            stop_strings=("\n",),
-        )
+        return cls(*_LAYOUTS["completion"])
 
     @classmethod
     def from_chat_template(cls, tokenizer: PreTrainedTokenizerBase) -> PromptFormat:

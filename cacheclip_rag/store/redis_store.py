@@ -162,11 +162,7 @@ class RedisStore(RedisOwners):
         self._call(self.client.delete, *[self._part(key, manifest["token"], n) for n in range(manifest["parts"])])
 
     def _quarantine_damaged(self, key: bytes, why: str) -> None:
-        log.error("redis %s: entry %s is corrupted (%s); quarantined, it will be recomputed", self.url, key.hex(), why)
-        try:
-            self._call(self.client.rename, self._entry(key), self._quarantine_key(key))
-        except StoreError:
-            pass  # gone meanwhile
+        self.quarantine(key, f"corrupted: {why}")
 
     def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
         """Each entry's bytes in two round trips (entries or manifests, then any parts); None for a miss.
@@ -310,7 +306,7 @@ class RedisStore(RedisOwners):
         try:
             self._call(self.client.rename, self._entry(key), self._quarantine_key(key))
         except StoreError:
-            pass  # already gone
+            pass  # gone meanwhile
 
     def stats(self) -> dict:
         entries = sum(1 for _ in self.keys())
