@@ -222,16 +222,22 @@ class LoggingStream:
         self.log.append(("wait", layer))
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "llama3_scaled"])
-@pytest.mark.parametrize("method", ["shared_prefix", "cacheclip", "ape"])
-def test_layerwise_loading_waits_per_layer_and_builds_the_same_cache(tmp_path, arch, method):
-    lm = tiny_model(arch)
+def plain_and_layered(lm, tmp_path) -> tuple[Engine, Engine, list]:
+    """An engine over LMDB, and one over a host tier whose layer-wise loads log into the returned list."""
     plain = Engine(primary=lm, aux=lm, store=LMDBStore(tmp_path / "a"),
                    config=EngineConfig(store_path=tmp_path / "a", system_prompt="Be brief."))
     events: list = []
     layered = Engine(primary=lm, aux=lm, store=HostTier(LMDBStore(tmp_path / "b"), 1 << 30, pin=False),
                      config=EngineConfig(store_path=tmp_path / "b", system_prompt="Be brief."),
                      layer_stream=lambda model: LoggingStream(events))
+    return plain, layered, events
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama3_scaled"])
+@pytest.mark.parametrize("method", ["shared_prefix", "cacheclip", "ape"])
+def test_layerwise_loading_waits_per_layer_and_builds_the_same_cache(tmp_path, arch, method):
+    lm = tiny_model(arch)
+    plain, layered, events = plain_and_layered(lm, tmp_path)
     options = RequestOptions(method=method, ratio=0.3, max_new_tokens=4, min_recompute_tokens=0)
     for _ in range(2):  # a miss (computed and held), then a hit
         events.clear()
@@ -253,12 +259,7 @@ def test_a_tenants_view_of_a_host_tier_loads_layer_by_layer_from_its_own_namespa
     from cacheclip_rag.store.namespaced import NamespacedStore
 
     lm = tiny_model("llama")
-    plain = Engine(primary=lm, aux=lm, store=LMDBStore(tmp_path / "a"),
-                   config=EngineConfig(store_path=tmp_path / "a", system_prompt="Be brief."))
-    events: list = []
-    root = Engine(primary=lm, aux=lm, store=HostTier(LMDBStore(tmp_path / "b"), 1 << 30, pin=False),
-                  config=EngineConfig(store_path=tmp_path / "b", system_prompt="Be brief."),
-                  layer_stream=lambda model: LoggingStream(events))
+    plain, root, events = plain_and_layered(lm, tmp_path)
     tenant = root.in_namespace("tenant-a", ("",))
     assert isinstance(tenant.store, NamespacedStore) and tenant.store.layerwise
     options = RequestOptions(method="cacheclip", ratio=0.3, max_new_tokens=4, min_recompute_tokens=0)
