@@ -55,6 +55,10 @@ def is_redis_url(location: str) -> bool:
     return location.startswith(("redis://", "rediss://", "unix://"))
 
 
+def is_s3_url(location: str) -> bool:
+    return location.startswith(("s3://", "s3a://"))
+
+
 def _require_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
@@ -91,7 +95,9 @@ class EngineConfig:
     primary: str = "qwen2.5-coder-0.5b"
     aux: str | None = DEFAULT_AUX
     store_path: Path | str = None  # type: ignore[assignment]  # LMDB folder, or a redis URL (default: cache_dir / "store")
-    shared_store: str | None = None  # a redis URL: a shared tier behind the local LMDB store at store_path
+    # a tier shared by machines behind the local LMDB store at store_path: a redis URL, or s3://bucket/prefix (a cold
+    # tier on S3-compatible object storage; AWS_ENDPOINT_URL and the AWS credential variables say where and who)
+    shared_store: str | None = None
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     device: str = "cpu"
     aux_device: str = "cpu"
@@ -122,6 +128,11 @@ class EngineConfig:
             _require_str(name, getattr(self, name))
         if self.shared_store is not None and is_redis_url(str(self.store_path)):
             raise ValueError("shared_store puts Redis behind a local LMDB store: store_path must then be a folder")
+        if self.shared_store is not None and not (is_redis_url(self.shared_store) or is_s3_url(self.shared_store)):
+            raise ValueError(f"shared_store is a redis:// or s3:// URL, got {self.shared_store!r}")
+        if is_s3_url(str(self.store_path)):
+            raise ValueError("an S3 bucket is a cold tier behind a local store: give it as shared_store, with "
+                             "store_path a folder")
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if not 1 <= self.threshold <= self.window:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the layers are folders (and a few modules) of the package: each name's rank, 0 the top
-RANKS = {**dict.fromkeys(("cli", "serve", "integrations", "evaluation", "transfer", "distributed", "handbook", "testing"), 0),
+RANKS = {**dict.fromkeys(("cli", "serve", "integrations", "evaluation", "transfer", "distributed", "handbook", "testing", "object_server"), 0),
          "engine": 1, "methods": 2, "stages": 3, **dict.fromkeys(("store", "models", "config", "kernels"), 4)}
 
 

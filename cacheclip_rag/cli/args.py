@@ -271,8 +271,9 @@ def parser() -> argparse.ArgumentParser:
                         "float8_e4m3fn = one byte an element with a scale per channel")
         sp.add_argument("--aux-device", default="cpu")
         sp.add_argument("--store", default=None, help="LMDB directory (default: user cache) or a redis:// URL")
-        sp.add_argument("--shared-store", default=None, help="redis:// URL of a tier shared by machines, behind "
-                        "the local --store")
+        sp.add_argument("--shared-store", default=None, help="a tier shared by machines, behind the local --store: "
+                        "redis://... or s3://bucket/prefix (S3-compatible; AWS_ENDPOINT_URL and the AWS credential "
+                        "variables say where and who)")
         return sp
 
     demo = with_models(sub.add_parser("demo", help="ingest the bundled handbook and compare methods"))

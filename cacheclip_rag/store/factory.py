@@ -1,5 +1,5 @@
-"""Every store is opened here, from a path or a URL: an LMDB folder or a `redis://` URL; a shared Redis tier
-behind a local LMDB; host-memory and device-memory tiers in front; a tenant's namespace over any of them.
+"""Every store is opened here, from a path or a URL: an LMDB folder or a `redis://` URL; a shared tier (Redis, or
+S3-compatible object storage) behind a local LMDB; host-memory and device-memory tiers in front; a tenant's namespace over any of them.
 A new tier is one module in this folder and one line here."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..config import is_redis_url
+from ..config import is_redis_url, is_s3_url
 from .lmdb_store import LMDBStore
 from .namespaced import NamespacedStore
 from .protocol import KVStore
@@ -15,8 +15,8 @@ from .protocol import KVStore
 
 def open_store(location: str | Path, shared: str | None = None, *, host_bytes: int = 0, device_bytes: int = 0,
                device=None) -> KVStore:
-    """The store for `location` (an LMDB folder, or a redis URL); with `shared` (a redis URL) a local LMDB tier
-    in front of the shared one; with `host_bytes`/`device_bytes` the host and device tiers in front of that
+    """The store for `location` (an LMDB folder, or a redis URL); with `shared` (a redis or s3 URL) a local LMDB
+    tier in front of the shared one; with `host_bytes`/`device_bytes` the host and device tiers in front of that
     (`device`: where the device tier keeps entries)."""
     if is_redis_url(str(location)):
         from .redis_store import RedisStore
@@ -24,6 +24,11 @@ def open_store(location: str | Path, shared: str | None = None, *, host_bytes: i
         store: KVStore = RedisStore(str(location))
     elif shared is None:
         store = LMDBStore(location)
+    elif is_s3_url(shared):
+        from .s3_store import S3Store
+        from .tiered_store import TieredStore
+
+        store = TieredStore(LMDBStore(location), S3Store(shared))
     else:
         from .redis_store import RedisStore, TieredStore
 

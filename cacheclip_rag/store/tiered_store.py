@@ -1,11 +1,14 @@
-"""A local LMDB store in front of a shared one (Redis): reads are local first, a remote hit fills the
-local tier, writes go to both. If the shared server is down, full or refusing, it logs and carries on
-with the local tier alone (a miss is then computed, as without the shared tier)."""
+"""A local LMDB store in front of a shared one (Redis, or S3-compatible object storage): reads are local
+first, a remote hit fills the local tier, writes go to both. If the shared server is down, full or
+refusing, it warns once for the outage and carries on with the local tier alone (a miss is then computed,
+as without the shared tier); the entries it could not write there are queued (bounded) and written when
+the shared tier answers again, so other replicas find them."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -13,12 +16,14 @@ import torch
 
 from .codec import copy_tensor
 from .entry import ChunkEntry, as_stored
-from .errors import StoreError, StoreFullError, StoreUnavailableError
+from .errors import StoreError, StoreFullError
 from .lmdb_store import LMDBStore
 from .protocol import KVStore, Slot, misfit
 from .texts import digest_ref, is_text_ref, ref_digest
 
 log = logging.getLogger(__name__)
+
+MAX_UNSHARED = 100_000  # entries written locally while the shared tier was down, queued for it
 
 
 class TieredStore:
@@ -28,6 +33,54 @@ class TieredStore:
         self.local, self.remote = local, remote
         self.local_hits = self.remote_hits = self.misses = 0
         self._lock = threading.Lock()
+        self.remote_down = False
+        self.unshared: OrderedDict[bytes, str] = OrderedDict()  # key -> fingerprint, oldest first
+
+    def _failed(self, err: StoreError, doing: str) -> None:
+        """One warning when the shared tier stops answering; later failures of the same outage at DEBUG."""
+        with self._lock:
+            first, self.remote_down = not self.remote_down, True
+        (log.warning if first else log.debug)("shared tier %s failed (%s): serving and writing the local tier "
+                                              "only until it answers again", doing, err)
+
+    def _answered(self) -> None:
+        """The shared tier answered: after an outage, say so and write what was queued for it."""
+        with self._lock:
+            back, self.remote_down = self.remote_down, False
+        if back:
+            log.warning("shared tier answers again; writing the %d entries queued for it", len(self.unshared))
+        if self.unshared:
+            self._flush()
+
+    def _queue(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
+        with self._lock:
+            for key, fingerprint, _ in items:
+                self.unshared[key] = fingerprint
+                self.unshared.move_to_end(key)
+            while len(self.unshared) > MAX_UNSHARED:
+                self.unshared.popitem(last=False)
+
+    def _flush(self, batch: int = 64) -> None:
+        """Queued entries from the local tier to the shared one, a batch at a time, until one fails."""
+        while self.unshared:
+            with self._lock:
+                taken = list(self.unshared.items())[:batch]
+            by_print: dict[str, list[bytes]] = {}
+            for key, fingerprint in taken:
+                by_print.setdefault(fingerprint, []).append(key)
+            items = []
+            for fingerprint, keys in by_print.items():
+                for key, entry in zip(keys, self.local.get_many(keys, fingerprint)):
+                    if entry is not None:  # evicted or deleted locally meanwhile: nothing to share
+                        items.append((key, fingerprint, as_stored(entry, entry.stored_dtype)))
+            try:
+                self.remote.put_many(items)
+            except StoreError as err:
+                self._failed(err, "a queued write")
+                return
+            with self._lock:
+                for key, _ in taken:
+                    self.unshared.pop(key, None)
 
     @property
     def path(self):
@@ -44,13 +97,11 @@ class TieredStore:
         if missing:
             try:
                 fetched = self.remote.get_many([keys[i] for i in missing], fingerprint, device)
-            except StoreUnavailableError as err:
-                log.warning("shared store down, serving from the local tier only: %s", err)
-                fetched = [None] * len(missing)
+                self._answered()
             except StoreError as err:
                 if "written by model" in str(err):  # an intact entry of another model: the caller's error
                     raise
-                log.warning("shared store failed a read, serving from the local tier only: %s", err)
+                self._failed(err, "a read")
                 fetched = [None] * len(missing)
             fill = []
             for i, entry in zip(missing, fetched):
@@ -99,10 +150,11 @@ class TieredStore:
             local_full = err
         try:
             self.remote.put_many(items)
-        except StoreUnavailableError as err:
-            log.warning("shared store down, written to the local tier only: %s", err)
+            self._answered()
         except StoreError as err:
-            log.warning("shared store refused a write (%s); written to the local tier only", err)
+            self._failed(err, "a write")
+            if local_full is None:
+                self._queue(items)
         if local_full is not None:
             raise local_full
 
@@ -129,15 +181,18 @@ class TieredStore:
         try:
             self.remote.remember_texts(texts)
         except StoreError as err:
-            log.warning("shared store did not take the chunk texts (%s)", err)
+            log.warning("shared tier did not take %d chunk texts (%s): other replicas will not recognise them "
+                        "until they are ingested again", len(texts), err)
 
     def texts_since(self, cursor: int = 0) -> tuple[list[str], int]:
         """From the shared tier: every replica's texts (nothing new while it is down)."""
         try:
-            return self.remote.texts_since(cursor)
+            found = self.remote.texts_since(cursor)
         except StoreError as err:
-            log.warning("shared store down: no new chunk texts from it (%s)", err)
+            self._failed(err, "reading the texts")
             return [], cursor
+        self._answered()
+        return found
 
     def texts(self) -> list[str]:
         return list(dict.fromkeys([*self.local.texts(), *self.texts_since(0)[0]]))
