@@ -5,6 +5,7 @@ A small byte-level BPE tokenizer is trained in memory (offsets included), so not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,3 +131,29 @@ def save_tiny_chat_model(folder: Path, arch: str, template: str, seed: int = 0) 
     lm.model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@dataclass
+class TinyReplica:
+    """Builds one server replica over a tiny model (`serve.replicas.application`'s `build`): its own LMDB folder
+    under `folder`, the shared tier `shared`; `environment` set first (the S3 server's address, in a Ray actor)."""
+
+    folder: str
+    shared: str
+    keys: dict
+    environment: dict
+
+    def __call__(self, name: str):
+        import os
+
+        from .config import EngineConfig
+        from .engine.core import Engine
+        from .serve.app import ServerSettings
+        from .store.factory import open_store
+
+        os.environ.update(self.environment)
+        path = Path(self.folder) / name.replace("#", "_")
+        lm = tiny_model("llama")
+        engine = Engine(primary=lm, aux=lm, store=open_store(path, self.shared),
+                        config=EngineConfig(store_path=path, system_prompt="Be brief.", store_dtype="float32"))
+        return engine, ServerSettings(tenant_keys=dict(self.keys), min_recompute_tokens=0, index_refresh_s=0.2)

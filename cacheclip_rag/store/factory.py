@@ -48,3 +48,16 @@ def in_namespace(store: KVStore, namespace: str, readable: Sequence[str] = (), o
     """`store` as one tenant (or one `cache_salt`) sees it: writes to `namespace`, reads also `readable`; what it
     computes is recorded for `owner`'s texts (default `namespace`)."""
     return NamespacedStore(store, namespace, readable, owner)
+
+
+def open_shared(url: str) -> KVStore:
+    """The tier replicas share, alone (a redis or s3 URL): what a router reads the remembered texts from."""
+    if is_s3_url(url):
+        from .s3_store import S3Store
+
+        return S3Store(url)
+    if is_redis_url(url):
+        from .redis_store import RedisStore
+
+        return RedisStore(url)
+    raise ValueError(f"a shared tier is a redis:// or s3:// URL, got {url!r}")

@@ -1,0 +1,105 @@
+"""What a replica holds, summarised for a router, and the chunk-affinity ranking over those summaries.
+
+A replica's fast tiers hold the caches of the chunks it has ingested or served. It names them by the sha256
+of their (namespace-marked) text, the name a prompt's recognition gives them (`engine.recognize`), so a router
+that only recognises texts can ask "who holds this chunk" without a model or a tokenizer. `HeldChunks` keeps
+the most recent `capacity` names (LRU: a replica's fast tiers evict in the same order) and reports them as a
+Bloom filter of fixed size (`BITS` bits, 32 KiB), whatever the corpus: a false positive (well under 1% at
+20,000 chunks) only sends a request where its chunk must be read from the shared tier or computed.
+
+`rank` orders replicas for one request: by the chunk characters each holds (position- and order-independent,
+unlike a prefix tree: RAG prompts put the same chunks in any order), skipping replicas whose queue is more
+than `imbalance` requests longer than the shortest (as Ray Serve's prefix router's `imbalanced_threshold`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+BITS = 1 << 18
+HASHES = 4
+
+
+def positions(digest: bytes) -> list[int]:
+    """The filter bits of a sha256 digest (its first HASHES 4-byte words: already uniform)."""
+    return [int.from_bytes(digest[4 * i: 4 * i + 4], "little") % BITS for i in range(HASHES)]
+
+
+def bloom(digests: Iterable[bytes]) -> bytes:
+    bits = np.zeros(BITS, dtype=bool)
+    for digest in digests:
+        bits[positions(digest)] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def holds(summary: bytes, digest: bytes) -> bool:
+    return all(summary[p >> 3] >> (p & 7) & 1 for p in positions(digest))
+
+
+class HeldChunks:
+    """A replica's recently used chunk names (bounded LRU) and their Bloom summary."""
+
+    def __init__(self, capacity: int = 20_000):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._names: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._summary: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def add(self, digests: Iterable[bytes]) -> None:
+        with self._lock:
+            for digest in digests:
+                self._names[digest] = None
+                self._names.move_to_end(digest)
+            while len(self._names) > self.capacity:
+                self._names.popitem(last=False)
+            self._summary = None
+
+    def forget(self, digests: Iterable[bytes]) -> None:
+        with self._lock:
+            for digest in digests:
+                self._names.pop(digest, None)
+            self._summary = None
+
+    def summary(self) -> bytes:
+        with self._lock:
+            if self._summary is None:
+                self._summary = bloom(self._names)
+            return self._summary
+
+
+def score(chunks: Sequence[tuple[bytes, int]], summary: bytes | None, extra: set[bytes] = frozenset()) -> int:
+    """The characters of `chunks` ((digest, characters) pairs) a replica with `summary` (or `extra`) holds."""
+    return sum(size for digest, size in chunks
+               if digest in extra or (summary is not None and len(summary) == BITS // 8 and holds(summary, digest)))
+
+
+def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes | None],
+         queues: Mapping[Hashable, int | None], imbalance: int = 4,
+         recent: Mapping[Hashable, set[bytes]] | None = None) -> list[list[Hashable]]:
+    """Replicas in ranks, best first: those holding the most of the request's chunk characters (ties together),
+    then the rest of the balanced ones by what they hold, then those more than `imbalance` queued requests behind
+    the shortest queue. An unknown queue length counts as balanced. `recent`: names a router sent to each
+    replica since its last summary (they will be held there once served)."""
+    replicas = list(summaries)
+    if not replicas:
+        return []
+    known = [q for q in (queues.get(r) for r in replicas) if q is not None]
+    shortest = min(known) if known else 0
+    balanced = [r for r in replicas if queues.get(r) is None or queues[r] - shortest <= imbalance]
+    overloaded = [r for r in replicas if r not in balanced]
+    scores = {r: score(chunks, summaries[r], (recent or {}).get(r, set())) for r in balanced}
+    best = max(scores.values(), default=0)
+    if best == 0:
+        return [balanced] + ([overloaded] if overloaded else [])
+    top = [r for r in balanced if scores[r] == best]
+    rest = sorted((r for r in balanced if scores[r] < best), key=lambda r: -scores[r])
+    return [top] + ([rest] if rest else []) + ([overloaded] if overloaded else [])
