@@ -49,6 +49,8 @@ def probe(*args: str) -> dict:
     (["eval", "--variants", "full,nope"], "unknown variants ['nope']"),
     (["eval", "--ratios", "0.2,x"], "--ratios takes comma-separated numbers"),
     (["bench", "no_such_bench"], "no benchmark"),
+    (["serve", "--replicas", "2"], "--replicas needs --shared-store"),
+    (["serve", "--replicas", "-1"], "--replicas must be >= 0"),
 ])
 def test_help_and_bad_input_answer_before_anything_heavy_is_imported(args, says):
     result = probe(*args)

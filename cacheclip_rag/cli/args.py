@@ -215,6 +215,11 @@ def check_serve(args: argparse.Namespace) -> None:
             fail(str(err))
     if args.min_recompute_tokens < 0:
         fail(f"--min-recompute-tokens must be >= 0 (0: the ratio alone), got {args.min_recompute_tokens}")
+    if args.replicas < 0:
+        fail(f"--replicas must be >= 0, got {args.replicas}")
+    if args.replicas and not args.shared_store:
+        fail("--replicas needs --shared-store (redis://... or s3://bucket/prefix): the replicas share chunk caches "
+             "and the texts they recognise through it")
     if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
         fail(f"--max-prompt-chars must be >= 1, got {args.max_prompt_chars}")
     if not args.header_timeout_s > 0 or args.max_connections < 1:
@@ -336,6 +341,11 @@ def parser() -> argparse.ArgumentParser:
                          help="requests one API key, and one address, may have waiting or running before 429 "
                               "(default: half of --max-queue; 0: no limit)")
     serving.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    serving.add_argument("--replicas", type=int, default=0,
+                         help="N > 0: N replicas on Ray Serve (a local Ray, or RAY_ADDRESS's cluster) behind the "
+                              "chunk-affinity router; needs --shared-store (each replica's --store is a folder below it)")
+    serving.add_argument("--router", default="affinity", choices=("affinity", "prefix", "pow2"),
+                         help="with --replicas: chunk affinity, prompt-prefix affinity, or Serve's power of two choices")
 
     query = with_models(sub.add_parser("query", help="answer a question over the ingested index (or --chunk-files)"))
     query.add_argument("question")

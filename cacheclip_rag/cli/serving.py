@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .args import engine_config
 
@@ -21,6 +22,24 @@ def run(args: argparse.Namespace) -> int:
                               max_connections_per_client=args.max_connections_per_client,
                               max_queued_per_client=args.max_queued_per_client,
                               timeout_s=args.timeout_s)
-    engine = Engine.from_config(engine_config(args))
+    config = engine_config(args)
+    if args.replicas:
+        return run_replicas(args, config, settings)
+    engine = Engine.from_config(config)
     serve(engine, settings, host=args.host, port=args.port)
+    return 0
+
+
+def run_replicas(args: argparse.Namespace, config, settings) -> int:
+    """`args.replicas` replicas on Ray Serve, on RAY_ADDRESS's cluster or a local one; blocks until stopped."""
+    import ray
+    from ray import serve as ray_serve
+
+    from ..serve.replicas import ConfiguredReplica, application
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True)
+    ray_serve.start(http_options={"host": args.host, "port": args.port})
+    app = application(ConfiguredReplica(config, settings), config.shared_store, args.replicas, settings.keys,
+                      router=args.router)
+    ray_serve.run(app, name="cacheclip", route_prefix="/", blocking=True)
     return 0

@@ -297,6 +297,22 @@ def _common(a: str, b: str) -> int:
     return i
 
 
+@dataclass
+class ConfiguredReplica:
+    """`cacheclip serve --replicas`: each replica's engine from `config`, its local store a folder of its own
+    below `config.store_path`."""
+
+    config: object  # EngineConfig
+    settings: ServerSettings
+
+    def __call__(self, name: str) -> tuple[Engine, ServerSettings]:
+        from dataclasses import replace
+        from pathlib import Path
+
+        path = Path(self.config.store_path) / "replicas" / name.replace("#", "_")
+        return Engine.from_config(replace(self.config, store_path=path)), self.settings
+
+
 ROUTERS = {"affinity": ChunkAffinityRouter, "prefix": PrefixAffinityRouter, "pow2": None}
 
 
