@@ -15,8 +15,21 @@ chunks (2K and 4K tokens): the hot tier (`LMDBStore.read_into`, page cache warm)
 - `hot`: the same replica's next request (promoted into its local tier on the cold read).
 Each row's answers stand beside its times: right (strict) and equal to `full`'s.
 
+`--part routers`: 4 replicas on a local Ray Serve (`serve.replicas`, tiny random models: this part measures
+routing, not a model), each with a bounded host-memory fast tier (a third of the corpus's caches) and a local
+LMDB of 1 MiB, over one S3 bucket. The corpus (160 chunks of everyday prose) is ingested once through `/v1/ingest`
+behind the clients' system text. Requests draw 3-6 distinct chunks by Zipf popularity (s = 1.1), behind varied
+questions, from 4 concurrent clients, through the `openai` client's JSON on `/v1/chat/completions`. Two workloads:
+`shuffled` (the chunks in random order, as retrievers return them) and `prefix` (in popularity order, so
+requests share prompt prefixes: the prefix router's best case). Routers side by side in one run: Serve's default
+(power of two choices), prefix affinity (the policy of today's LLM routers), and chunk affinity (ours). Per
+router: the share of chunk entries served from a replica's memory (the `host` tier; the first 10% of requests
+warm up and are not counted), p50/p95 TTFT (the server's), requests/s, and load spread (max/min requests per
+replica).
+
     python bench/bench_scaleout.py --part read --json bench/results/scaleout.json
     python bench/bench_scaleout.py --part ttft --cases 8 --json bench/results/scaleout.json
+    python bench/bench_scaleout.py --part routers --requests 240 --json bench/results/scaleout.json
 
 moto keeps objects in Python memory and answers from one Python process: it is a slow S3 (a real object store
 on a LAN or in-region serves several times faster per connection). The rows say what this machine measured.
@@ -139,9 +152,126 @@ def ttft_rows(server: S3Server, cases_per_length: int) -> list[dict]:
     return rows + [{"part": "ttft_requests", "records": records}]
 
 
+CLIENT_SYSTEM = "Use the context to answer.\n\n"
+_SUBJECTS = ("the harbour office", "the north ferry", "the old mill", "the library annex", "the tide station",
+             "the night market", "the hill school", "the river clinic", "the glass works", "the ring road")
+_VERBS = ("opens", "closes", "moves", "reopens", "changes its hours", "holds a meeting", "gets a new roof")
+
+
+def corpus(n: int = 160) -> list[str]:
+    import random
+
+    rng = random.Random(69)
+    chunks = []
+    for i in range(n):
+        subject = _SUBJECTS[i % len(_SUBJECTS)]
+        sentences = [f"Notice {i}: {subject} {rng.choice(_VERBS)} on day {rng.randint(1, 28)} of month {rng.randint(1, 12)}."]
+        sentences += [f"People who use {rng.choice(_SUBJECTS)} should plan for {rng.choice(_VERBS)} later in the season, "
+                      f"and the council will post details at {rng.choice(_SUBJECTS)}." for _ in range(2)]
+        chunks.append(" ".join(sentences))
+    return chunks
+
+
+def zipf_requests(n: int, chunks: list[str], workload: str, seed: int) -> list[list[str]]:
+    import random
+
+    rng = random.Random(seed)
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(chunks))]
+    requests = []
+    for _ in range(n):
+        picked: set[int] = set()
+        want = rng.randint(3, 6)
+        while len(picked) < want:
+            picked.add(rng.choices(range(len(chunks)), weights)[0])
+        order = sorted(picked)  # popularity order: common prefixes
+        if workload == "shuffled":
+            rng.shuffle(order)
+        requests.append([chunks[i] for i in order])
+    return requests
+
+
+def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import ray
+    from ray import serve as ray_serve
+
+    from cacheclip_rag.object_server import free_port
+    from cacheclip_rag.serve.keys import OPERATOR
+    from cacheclip_rag.serve.replicas import application
+    from cacheclip_rag.testing import TinyReplica
+
+    key = "sk-bench-" + "x" * 16
+    chunks = corpus()
+    environment = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": environment}, log_to_driver=False)
+    port = free_port()
+    ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {key}"}
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="scaleout-routers-"))
+    try:
+        for workload in ("shuffled", "prefix"):
+            for router in ("pow2", "prefix", "affinity"):
+                bucket = server.bucket(f"routers-{workload}-{router}") + "/corpus"
+                build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,
+                                    host_bytes=ENTRY_BYTES * len(chunks) // 3, local_bytes=1 << 20)
+                ray_serve.run(application(build, bucket, 4, {key: OPERATOR}, router=router, stats_period_s=0.5,
+                                          replica_cpus=0), name="cacheclip", route_prefix="/")
+                ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM.strip()},
+                                    headers=headers, timeout=600)
+                assert ingest.status_code == 200, ingest.text
+                time.sleep(2.0)  # the front's index reads the texts
+
+                def ask(i_chunks):
+                    i, picked = i_chunks
+                    body = {"model": "cacheclip", "max_tokens": 2, "messages": [
+                        {"role": "system", "content": CLIENT_SYSTEM + "\n\n".join(picked)},
+                        {"role": "user", "content": f"What happens at notice number {i}?"}]}
+                    answer = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
+                    assert answer.status_code == 200, answer.text
+                    usage = answer.json()["usage"]["cacheclip"]
+                    return answer.headers["x-cacheclip-replica"], usage
+
+                requests = zipf_requests(requests_per_run, chunks, workload, seed=7)
+                started = time.perf_counter()
+                with ThreadPoolExecutor(4) as pool:
+                    results = list(tqdm(pool.map(ask, enumerate(requests)), total=len(requests),
+                                        desc=f"{workload}/{router}"))
+                elapsed = time.perf_counter() - started
+                counted = results[len(results) // 10:]
+                host_hits = sum(max(0, u["timings"]["store"].get("host_hits", 0) - 1) for _, u in counted)
+                entries = sum(u["chunks_recognised"] for _, u in counted)
+                ttfts = sorted(u["timings"]["ttft_s"] for _, u in counted)
+                per_replica: dict[str, int] = {}
+                for name, _ in results:
+                    per_replica[name] = per_replica.get(name, 0) + 1
+                rows.append({"part": "routers", "workload": workload, "router": router, "requests": len(results),
+                             "counted": len(counted), "memory_hit_rate": host_hits / max(1, entries),
+                             "recognised_per_request": entries / max(1, len(counted)),
+                             "p50_ttft_s": ttfts[len(ttfts) // 2], "p95_ttft_s": ttfts[int(len(ttfts) * 0.95)],
+                             "requests_per_s": len(results) / elapsed,
+                             "load_spread": max(per_replica.values()) / max(1, min(per_replica.values())),
+                             "per_replica": sorted(per_replica.values())})
+                print(rows[-1])
+                ray_serve.delete("cacheclip")
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+ENTRY_BYTES = 3 * 2 * 2 * 16 * 4 * 270  # the tiny model's cache of a ~270-token chunk (float32)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("read", "ttft"), required=True)
+    parser.add_argument("--part", choices=("read", "ttft", "routers"), required=True)
+    parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", type=int, default=8)
     parser.add_argument("--json", default="bench/results/scaleout.json")
@@ -149,7 +279,12 @@ def main() -> int:
     server = S3Server()
     try:
         with server.environment():
-            rows = read_rows(server, args.repeats) if args.part == "read" else ttft_rows(server, args.cases)
+            if args.part == "read":
+                rows = read_rows(server, args.repeats)
+            elif args.part == "ttft":
+                rows = ttft_rows(server, args.cases)
+            else:
+                rows = router_rows(server, args.requests)
     finally:
         server.stop()
     for row in rows:
@@ -161,7 +296,7 @@ def main() -> int:
                   f"right {row['right']}/{row['n']}, equal to full {row['equal_full']}/{row['n']}")
     out = Path(args.json)
     results = json.loads(out.read_text()) if out.exists() else {}
-    results[f"cold_{args.part}"] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "rows": rows}
+    results[args.part if args.part == "routers" else f"cold_{args.part}"] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "rows": rows}
     out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

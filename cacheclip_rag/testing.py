@@ -142,6 +142,8 @@ class TinyReplica:
     shared: str
     keys: dict
     environment: dict
+    host_bytes: int = 0  # > 0: a host-memory tier of this size in front (the replica's fast tier)
+    local_bytes: int | None = None  # a cap on the replica's local LMDB (past it, shared entries are not copied)
 
     def __call__(self, name: str):
         import os
@@ -154,6 +156,17 @@ class TinyReplica:
         os.environ.update(self.environment)
         path = Path(self.folder) / name.replace("#", "_")
         lm = tiny_model("llama")
-        engine = Engine(primary=lm, aux=lm, store=open_store(path, self.shared),
+        if self.local_bytes is None:
+            store = open_store(path, self.shared, host_bytes=self.host_bytes)
+        else:
+            from .store import LMDBStore
+            from .store.factory import open_shared
+            from .store.tiered_store import TieredStore
+            from .store.tiers import HostTier
+
+            store = TieredStore(LMDBStore(path, max_bytes=self.local_bytes, map_size=self.local_bytes),
+                                open_shared(self.shared))
+            store = HostTier(store, self.host_bytes) if self.host_bytes else store
+        engine = Engine(primary=lm, aux=lm, store=store,
                         config=EngineConfig(store_path=path, system_prompt="Be brief.", store_dtype="float32"))
         return engine, ServerSettings(tenant_keys=dict(self.keys), min_recompute_tokens=0, index_refresh_s=0.2)

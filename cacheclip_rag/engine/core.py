@@ -107,7 +107,7 @@ class Engine:
         """The index of stored chunks this engine finds in prompts (`plan_prompt`), over every namespace's
         texts (re-read at most every `refresh_s`, default 2 s, so other processes' ingests are found)."""
         if self._index is None:
-            self._index = StoreIndex(self.store) if refresh_s is None else StoreIndex(self.store, refresh_s)
+            self._index = recognizer_over(self.store, refresh_s)
         return self._index
 
     def plan_prompt(self, prompt: str, options: RequestOptions, *, question: str | None = None,
@@ -311,3 +311,9 @@ def _timed_first(tokens: Iterator[int], started: float, timings: Timings) -> Ite
         if i == 0:
             timings.ttft_s = time.perf_counter() - started
         yield token
+
+
+def recognizer_over(store: KVStore, refresh_s: float | None = None) -> StoreIndex:
+    """The recogniser an engine uses, over any store's remembered texts, without a model: what a router in front
+    of replicas recognises requests' chunks with (`serve.replicas`)."""
+    return StoreIndex(store) if refresh_s is None else StoreIndex(store, refresh_s)

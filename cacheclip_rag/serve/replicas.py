@@ -29,8 +29,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ..engine.core import Engine
-from ..engine.recognize import StoreIndex
+from ..engine.core import Engine, recognizer_over
 from ..store.namespaced import SHARED
 from .app import ServerSettings, create_app
 from .holdings import HeldChunks, rank
@@ -82,7 +81,7 @@ class Recogniser:
     """The stored chunks a request holds, named per namespace, from the shared tier's remembered texts."""
 
     def __init__(self, store, keys: dict[str, Tenant], refresh_s: float = 2.0):
-        self.index = StoreIndex(store, refresh_s)
+        self.index = recognizer_over(store, refresh_s)
         self.keys = keys
 
     def tenant(self, authorization: str) -> Tenant | None:
@@ -333,5 +332,5 @@ def application(build: Callable[[str], tuple[Engine, ServerSettings]], shared: s
     if ROUTERS[router] is not None:
         config.update(request_router_class=ROUTERS[router], request_router_kwargs={"imbalanced_threshold": imbalanced_threshold})
     options["request_router_config"] = RequestRouterConfig(**config)
-    front = Front.options(ray_actor_options={"num_cpus": 0})
+    front = Front.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     return front.bind(EngineReplica.options(**options).bind(build), shared, dict(keys or {}))
