@@ -119,6 +119,11 @@ def test_clients_unchanged_streaming_tenants_and_affinity_on_ray_serve(cluster):
     assert streamed == text
     llm = ChatOpenAI(base_url=url + "/v1", api_key=KEY, model="cacheclip", max_tokens=3, max_retries=0)
     assert isinstance(llm.invoke("\n\n".join(order) + "\nthe number?").content, str)
+    # a delete reaches the replica that recorded the document's owners, and its caches go
+    gone = httpx.delete(url + f"/v1/documents/{ingested.json()['ids'][2]}", headers={"Authorization": f"Bearer {KEY}"},
+                        timeout=60)
+    assert gone.status_code == 200 and gone.headers["x-cacheclip-replica"] == holder, gone.text
+    assert gone.json()["deleted_entries"] > 0
 
 
 @pytest.mark.slow

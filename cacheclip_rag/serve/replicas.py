@@ -104,6 +104,14 @@ class Recogniser:
                 found.append((chunk_name(namespaces[0], document), len(document)))
         return found
 
+    @staticmethod
+    def owner_marker(tenant: Tenant | None) -> list[tuple[bytes, int]]:
+        """A tenant's documents' owners are recorded by the replica that ingested them (its local tier): ingests
+        and deletes carry this name, so the affinity router keeps sending them to that replica."""
+        if tenant is None:
+            return []
+        return [(chunk_name(tenant.name, "\x00owners"), 1 << 30)]
+
 
 @serve.deployment
 class EngineReplica:
@@ -190,6 +198,8 @@ class Front:
         forwarded = Forwarded(request.method, request.url.path, request.url.query.encode(), list(request.headers.raw),
                               body, (request.client.host, request.client.port) if request.client else None,
                               await asyncio.to_thread(self.recogniser.chunks, tenant, parsed, prompt), prompt)
+        if request.url.path.startswith(("/v1/ingest", "/v1/documents")):
+            forwarded.chunks += self.recogniser.owner_marker(tenant)
         for attempt in range(3):  # a replica that died before answering: another one (nothing was sent yet)
             answer = self.replicas.remote(forwarded)
             try:

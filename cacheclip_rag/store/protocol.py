@@ -3,6 +3,7 @@ have no faster one."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Protocol, runtime_checkable
@@ -10,7 +11,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .codec import copy_tensor
-from .entry import ChunkEntry
+from .entry import ChunkEntry, parse_entry
+from .errors import CorruptEntryError
+from .tally import record_read
 
 Slot = tuple[torch.Tensor, torch.Tensor]  # where one entry's keys and values go: [L, KV, T, D] views
 
@@ -86,3 +89,33 @@ def read_into_via_get(store: KVStore, keys: list[bytes], fingerprint: str,
             entry = replace(entry, keys=slot[0], values=slot[1], scales=None)
         out.append(entry)
     return out
+
+
+def into_slots(slots: Sequence[Slot]):
+    """`decode_received`'s use for `read_into`: entry i decoded straight into `slots[i]` (a misfit is damage)."""
+
+    def use(i: int, view) -> ChunkEntry:
+        if tuple(slots[i][0].shape) != view.shape or tuple(slots[i][1].shape) != view.shape:
+            raise CorruptEntryError(misfit(view.shape, slots[i]))
+        view.copy_into(slots[i])
+        return ChunkEntry(slots[i][0], slots[i][1], token_ids=view.token_ids, offsets=view.offsets, model=view.model)
+
+    return use
+
+
+def decode_received(store: KVStore, tier: str, keys: Sequence[bytes], raws: Sequence[bytes | None], fingerprint: str,
+                    use, started: float) -> list:
+    """A shared tier's received bytes, each verified (`parse_entry`) and given to `use(i, view)`; a damaged one
+    quarantined and read as a miss; the reads tallied for `tier` since `started`."""
+    found: list = []
+    for key, raw in zip(keys, raws):
+        if raw is None:
+            found.append(None)
+            continue
+        try:
+            found.append(use(len(found), parse_entry(raw, fingerprint, key)))
+        except CorruptEntryError as err:
+            store.quarantine(key, f"corrupted: {err}")
+            found.append(None)
+    record_read(tier, found, time.perf_counter() - started)
+    return found

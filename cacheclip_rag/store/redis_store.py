@@ -24,11 +24,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .entry import ChunkEntry, encode_entry, parse_entry
+from .entry import ChunkEntry, encode_entry
 from .errors import CorruptEntryError, StoreError, StoreFullError, StoreUnavailableError
-from .protocol import Slot, misfit
+from .protocol import Slot, decode_received, into_slots
 from .redis_owners import RedisOwners
-from .tally import record_read
 from .tiered_store import TieredStore  # noqa: F401 - the tier over Redis, importable from here
 
 log = logging.getLogger(__name__)
@@ -200,18 +199,7 @@ class RedisStore(RedisOwners):
 
     def _decoded(self, keys: list[bytes], fingerprint: str, use) -> list:
         started = time.perf_counter()
-        found: list = []
-        for key, raw in zip(keys, self._raw_many(keys)):
-            if raw is None:
-                found.append(None)
-                continue
-            try:
-                found.append(use(len(found), parse_entry(raw, fingerprint, key)))
-            except CorruptEntryError as err:
-                self._quarantine_damaged(key, str(err))
-                found.append(None)
-        record_read("redis", found, time.perf_counter() - started)
-        return found
+        return decode_received(self, "redis", keys, self._raw_many(keys), fingerprint, use, started)
 
     def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
         """Entries for `keys` as new tensors, each verified as it arrives."""
@@ -219,14 +207,7 @@ class RedisStore(RedisOwners):
 
     def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
         """Entries decoded from the received bytes straight into `slots` (see `LMDBStore.read_into`)."""
-
-        def use(i: int, view) -> ChunkEntry:
-            if tuple(slots[i][0].shape) != view.shape or tuple(slots[i][1].shape) != view.shape:
-                raise CorruptEntryError(misfit(view.shape, slots[i]))
-            view.copy_into(slots[i])
-            return ChunkEntry(slots[i][0], slots[i][1], token_ids=view.token_ids, offsets=view.offsets, model=view.model)
-
-        return self._decoded(keys, fingerprint, use)
+        return self._decoded(keys, fingerprint, into_slots(slots))
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
         self.put_many([(key, fingerprint, entry)])

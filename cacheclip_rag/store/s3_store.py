@@ -34,10 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..config import is_s3_url
-from .entry import ChunkEntry, encode_entry, parse_entry
-from .errors import CorruptEntryError, StoreError, StoreUnavailableError
-from .protocol import Slot, misfit
-from .tally import record_read
+from .entry import ChunkEntry, encode_entry
+from .errors import StoreError, StoreUnavailableError
+from .protocol import Slot, decode_received, into_slots
 from .texts import live, text_digest, tombstone
 
 log = logging.getLogger(__name__)
@@ -131,18 +130,7 @@ class S3Store:
     def _decoded(self, keys: list[bytes], fingerprint: str, use) -> list:
         started = time.perf_counter()
         raws = list(self._pool.map(self._read, [self._entry(k) for k in keys]))
-        found: list = []
-        for key, raw in zip(keys, raws):
-            if raw is None:
-                found.append(None)
-                continue
-            try:
-                found.append(use(len(found), parse_entry(raw, fingerprint, key)))
-            except CorruptEntryError as err:
-                self.quarantine(key, f"corrupted: {err}")
-                found.append(None)
-        record_read("s3", found, time.perf_counter() - started)
-        return found
+        return decode_received(self, "s3", keys, raws, fingerprint, use, started)
 
     def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
         return self.get_many([key], fingerprint, device)[0]
@@ -152,13 +140,7 @@ class S3Store:
         return self._decoded(keys, fingerprint, lambda i, view: view.decode(device))
 
     def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
-        def use(i: int, view) -> ChunkEntry:
-            if tuple(slots[i][0].shape) != view.shape or tuple(slots[i][1].shape) != view.shape:
-                raise CorruptEntryError(misfit(view.shape, slots[i]))
-            view.copy_into(slots[i])
-            return ChunkEntry(slots[i][0], slots[i][1], token_ids=view.token_ids, offsets=view.offsets, model=view.model)
-
-        return self._decoded(keys, fingerprint, use)
+        return self._decoded(keys, fingerprint, into_slots(slots))
 
     def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
         self.put_many([(key, fingerprint, entry)])
