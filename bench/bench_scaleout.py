@@ -16,15 +16,15 @@ chunks (2K and 4K tokens): the hot tier (`LMDBStore.read_into`, page cache warm)
 Each row's answers stand beside its times: right (strict) and equal to `full`'s.
 
 `--part routers`: 4 replicas on a local Ray Serve (`serve.replicas`, tiny random models: this part measures
-routing, not a model), each with a bounded host-memory fast tier (a third of the corpus's caches) and a local
-LMDB of 1 MiB, over one S3 bucket. The corpus (160 chunks of everyday prose) is ingested once through `/v1/ingest`
+routing, not a model), each with a bounded host-memory fast tier (a third of the corpus's caches) in front of its
+local LMDB, over one S3 bucket. The corpus (160 chunks of everyday prose) is ingested once through `/v1/ingest`
 behind the clients' system text. Requests draw 3-6 distinct chunks by Zipf popularity (s = 1.1), behind varied
 questions, from 4 concurrent clients, through the `openai` client's JSON on `/v1/chat/completions`. Two workloads:
 `shuffled` (the chunks in random order, as retrievers return them) and `prefix` (in popularity order, so
 requests share prompt prefixes: the prefix router's best case). Routers side by side in one run: Serve's default
 (power of two choices), prefix affinity (the policy of today's LLM routers), and chunk affinity (ours). Per
 router: the share of chunk entries served from a replica's memory (the `host` tier; the first 10% of requests
-warm up and are not counted), p50/p95 TTFT (the server's), requests/s, and load spread (max/min requests per
+warm up and are not counted), from its local disk (LMDB) and from the bucket, p50/p95 TTFT (the server's), requests/s, and load spread (max/min requests per
 replica).
 
     python bench/bench_scaleout.py --part read --json bench/results/scaleout.json
@@ -218,7 +218,7 @@ def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
             for router in ("pow2", "prefix", "affinity"):
                 bucket = server.bucket(f"routers-{workload}-{router}") + "/corpus"
                 build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,
-                                    host_bytes=ENTRY_BYTES * len(chunks) // 3, local_bytes=1 << 20)
+                                    host_bytes=ENTRY_BYTES * len(chunks) // 3)
                 ray_serve.run(application(build, bucket, 4, {key: OPERATOR}, router=router, stats_period_s=0.5,
                                           replica_cpus=0), name="cacheclip", route_prefix="/")
                 ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM.strip()},
@@ -244,6 +244,8 @@ def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
                 elapsed = time.perf_counter() - started
                 counted = results[len(results) // 10:]
                 host_hits = sum(max(0, u["timings"]["store"].get("host_hits", 0) - 1) for _, u in counted)
+                lmdb_hits = sum(u["timings"]["store"].get("lmdb_hits", 0) for _, u in counted)
+                s3_hits = sum(u["timings"]["store"].get("s3_hits", 0) for _, u in counted)
                 entries = sum(u["chunks_recognised"] for _, u in counted)
                 ttfts = sorted(u["timings"]["ttft_s"] for _, u in counted)
                 per_replica: dict[str, int] = {}
@@ -251,6 +253,7 @@ def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
                     per_replica[name] = per_replica.get(name, 0) + 1
                 rows.append({"part": "routers", "workload": workload, "router": router, "requests": len(results),
                              "counted": len(counted), "memory_hit_rate": host_hits / max(1, entries),
+                             "local_disk_rate": lmdb_hits / max(1, entries), "bucket_rate": s3_hits / max(1, entries),
                              "recognised_per_request": entries / max(1, len(counted)),
                              "p50_ttft_s": ttfts[len(ttfts) // 2], "p95_ttft_s": ttfts[int(len(ttfts) * 0.95)],
                              "requests_per_s": len(results) / elapsed,
