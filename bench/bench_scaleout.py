@@ -16,7 +16,7 @@ chunks (2K and 4K tokens): the hot tier (`LMDBStore.read_into`, page cache warm)
 Each row's answers stand beside its times: right (strict) and equal to `full`'s.
 
 `--part routers`: 4 replicas on a local Ray Serve (`serve.replicas`, tiny random models: this part measures
-routing, not a model), each with a bounded host-memory fast tier (a third of the corpus's caches) in front of its
+routing, not a model), each with a bounded host-memory fast tier (`--fast-share` of the corpus's caches, a third by default) in front of its
 local LMDB, over one S3 bucket. The corpus (160 chunks of everyday prose) is ingested once through `/v1/ingest`
 behind the clients' system text. Requests draw 3-6 distinct chunks by Zipf popularity (s = 1.1), behind varied
 questions, from 4 concurrent clients, through the `openai` client's JSON on `/v1/chat/completions`. Two workloads:
@@ -190,7 +190,7 @@ def zipf_requests(n: int, chunks: list[str], workload: str, seed: int) -> list[l
     return requests
 
 
-def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
+def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> list[dict]:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -218,7 +218,7 @@ def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
             for router in ("pow2", "prefix", "affinity"):
                 bucket = server.bucket(f"routers-{workload}-{router}") + "/corpus"
                 build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,
-                                    host_bytes=ENTRY_BYTES * len(chunks) // 3)
+                                    host_bytes=int(ENTRY_BYTES * len(chunks) * fast_share))
                 ray_serve.run(application(build, bucket, 4, {key: OPERATOR}, router=router, stats_period_s=0.5,
                                           replica_cpus=0), name="cacheclip", route_prefix="/")
                 ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM.strip()},
@@ -251,7 +251,8 @@ def router_rows(server: S3Server, requests_per_run: int) -> list[dict]:
                 per_replica: dict[str, int] = {}
                 for name, _ in results:
                     per_replica[name] = per_replica.get(name, 0) + 1
-                rows.append({"part": "routers", "workload": workload, "router": router, "requests": len(results),
+                rows.append({"part": "routers", "workload": workload, "router": router, "fast_share": fast_share,
+                             "requests": len(results),
                              "counted": len(counted), "memory_hit_rate": host_hits / max(1, entries),
                              "local_disk_rate": lmdb_hits / max(1, entries), "bucket_rate": s3_hits / max(1, entries),
                              "recognised_per_request": entries / max(1, len(counted)),
@@ -275,6 +276,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("read", "ttft", "routers"), required=True)
     parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--fast-share", type=float, default=1 / 3, help="a replica's memory tier: this share of the corpus")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", type=int, default=8)
     parser.add_argument("--json", default="bench/results/scaleout.json")
@@ -287,7 +289,7 @@ def main() -> int:
             elif args.part == "ttft":
                 rows = ttft_rows(server, args.cases)
             else:
-                rows = router_rows(server, args.requests)
+                rows = router_rows(server, args.requests, args.fast_share)
     finally:
         server.stop()
     for row in rows:
@@ -299,7 +301,8 @@ def main() -> int:
                   f"right {row['right']}/{row['n']}, equal to full {row['equal_full']}/{row['n']}")
     out = Path(args.json)
     results = json.loads(out.read_text()) if out.exists() else {}
-    results[args.part if args.part == "routers" else f"cold_{args.part}"] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "rows": rows}
+    name = f"routers_{args.fast_share:.3f}" if args.part == "routers" else f"cold_{args.part}"
+    results[name] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "rows": rows}
     out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 

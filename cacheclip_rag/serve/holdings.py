@@ -63,6 +63,14 @@ class HeldChunks:
                 self._names.popitem(last=False)
             self._summary = None
 
+    def resize(self, capacity: int) -> None:
+        """Hold at most `capacity` names from now on (what the fast tier holds, measured), the oldest dropped."""
+        with self._lock:
+            self.capacity = max(1, capacity)
+            while len(self._names) > self.capacity:
+                self._names.popitem(last=False)
+            self._summary = None
+
     def forget(self, digests: Iterable[bytes]) -> None:
         with self._lock:
             for digest in digests:

@@ -121,10 +121,15 @@ class EngineReplica:
         context = serve.get_replica_context()
         self.name = getattr(context, "replica_tag", None) or str(context.replica_id.unique_id)
         engine, settings = build(self.name)
+        self.store = engine.store
         self.app = create_app(engine, settings)
         self.held = HeldChunks(capacity)
 
     def record_routing_stats(self) -> dict:
+        """What this replica holds, for the router. A full memory tier in front bounds it: the names kept are then
+        as many as the entries it holds (less the prefix), the most recently used, as the tier keeps them."""
+        if getattr(self.store, "max_bytes", None) and self.store.bytes >= 0.9 * self.store.max_bytes:
+            self.held.resize(self.store.entries - 1)
         return {"held": self.held.summary(), "count": len(self.held)}
 
     async def handle(self, request: Forwarded) -> AsyncIterator[dict | bytes]:

@@ -92,6 +92,7 @@ class _Tier:
     bytes = property(lambda self: self._lru.bytes)
     hits = property(lambda self: self._lru.hits)
     misses = property(lambda self: self._lru.misses)
+    entries = property(lambda self: len(self._lru._entries))
 
     @property
     def path(self):
