@@ -18,10 +18,11 @@ Each row's answers stand beside its times: right (strict) and equal to `full`'s.
 `--part routers`: 4 replicas on a local Ray Serve (`serve.replicas`, tiny random models: this part measures
 routing, not a model), each with a bounded host-memory fast tier (`--fast-share` of the corpus's caches, a third by default) in front of its
 local LMDB, over one S3 bucket. The corpus (160 chunks of everyday prose) is ingested once through `/v1/ingest`
-behind the clients' system text. Requests draw 3-6 distinct chunks by Zipf popularity (s = 1.1), behind varied
-questions, from 4 concurrent clients, through the `openai` client's JSON on `/v1/chat/completions`. Two workloads:
-`shuffled` (the chunks in random order, as retrievers return them) and `prefix` (in popularity order, so
-requests share prompt prefixes: the prefix router's best case). Routers side by side in one run: Serve's default
+behind the clients' system text. Requests come from 4 concurrent clients, behind varied questions, as JSON on
+`/v1/chat/completions`. Three workloads (`zipf_requests`): `independent` (3-6 chunks drawn by Zipf popularity,
+s = 1.1, each on its own, shuffled), `topical` (a topic drawn by Zipf popularity, 3-5 of its 5 chunks, shuffled:
+chunks retrieved together, as a document's sections are) and `topical-prefix` (the same in the document's order,
+so requests share prompt prefixes: the prefix router's best case). Routers side by side in one run: Serve's default
 (power of two choices), prefix affinity (the policy of today's LLM routers), and chunk affinity (ours). Per
 router: the share of chunk entries served from a replica's memory (the `host` tier; the first 10% of requests
 warm up and are not counted), from its local disk (LMDB) and from the bucket, p50/p95 TTFT (the server's), requests/s, and load spread (max/min requests per
@@ -172,19 +173,31 @@ def corpus(n: int = 160) -> list[str]:
     return chunks
 
 
+TOPICS = 32  # the topical workloads: the corpus in 32 topics of 5 chunks (a document's sections)
+
+
 def zipf_requests(n: int, chunks: list[str], workload: str, seed: int) -> list[list[str]]:
+    """`independent`: 3-6 distinct chunks drawn by Zipf popularity (s = 1.1), shuffled. `topical`: a topic drawn by
+    Zipf popularity, then 3-5 of its chunks, shuffled (what a retriever returns: the sections of the document a
+    question is about, in its order of scores). `topical-prefix`: the same, in the document's order (requests about
+    one topic then share prompt prefixes: the prefix router's best case)."""
     import random
 
     rng = random.Random(seed)
-    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(chunks))]
     requests = []
+    per = len(chunks) // TOPICS
     for _ in range(n):
-        picked: set[int] = set()
-        want = rng.randint(3, 6)
-        while len(picked) < want:
-            picked.add(rng.choices(range(len(chunks)), weights)[0])
-        order = sorted(picked)  # popularity order: common prefixes
-        if workload == "shuffled":
+        if workload == "independent":
+            weights = [1 / (rank + 1) ** 1.1 for rank in range(len(chunks))]
+            picked: set[int] = set()
+            want = rng.randint(3, 6)
+            while len(picked) < want:
+                picked.add(rng.choices(range(len(chunks)), weights)[0])
+            order = list(picked)
+        else:
+            topic = rng.choices(range(TOPICS), [1 / (rank + 1) ** 1.1 for rank in range(TOPICS)])[0]
+            order = sorted(rng.sample(range(topic * per, (topic + 1) * per), rng.randint(3, per)))
+        if workload != "topical-prefix":
             rng.shuffle(order)
         requests.append([chunks[i] for i in order])
     return requests
@@ -214,7 +227,7 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> l
     rows = []
     work = Path(tempfile.mkdtemp(prefix="scaleout-routers-"))
     try:
-        for workload in ("shuffled", "prefix"):
+        for workload in ("independent", "topical", "topical-prefix"):
             for router in ("pow2", "prefix", "affinity"):
                 bucket = server.bucket(f"routers-{workload}-{router}") + "/corpus"
                 build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,

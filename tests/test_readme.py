@@ -124,3 +124,65 @@ def test_every_readme_block_runs_as_written_on_the_embedded_models(tmp_path):
     finally:
         serving.terminate()
         serving.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_the_beyond_one_machine_commands_serve_replicas_over_a_bucket(tmp_path):
+    """The "Beyond one machine" block as written (replicas on a local Ray, the embedded model), its S3 variables
+    pointed at a real S3 server on loopback (moto) and a port of the test's; then the handbook ingested through
+    it and asked, as the server section does."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("ray.serve")
+    from cacheclip_rag.object_server import S3Server, free_port
+
+    if not has_embedded_models():
+        pytest.skip("the embedded models are not installed")
+    block = blocks("bash")[3].strip().splitlines()
+    assert block[0].startswith("export AWS_ENDPOINT_URL=") and "--replicas" in block[1]
+    s3 = S3Server()
+    port = free_port()
+    key = "sk-replicas-readme-0001"
+    (tmp_path / "keys.json").write_text('{"%s": {"tenant": "acme", "roles": ["ingest"]}}' % key)
+    try:
+        s3.bucket(re.search(r"s3://([\w-]+)", block[1]).group(1))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_ENDPOINT_URL": s3.endpoint, "AWS_ACCESS_KEY_ID": "test",
+               "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1"}
+        serving = subprocess.Popen(["bash", "-c", f"{block[1]} --port {port} --store {tmp_path / 'store'}"],
+                                   cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 1200
+            while True:
+                assert serving.poll() is None, serving.stderr.read()[-3000:]
+                try:
+                    if httpx.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the replicas did not come up"
+                time.sleep(2)
+            done = subprocess.run(["cacheclip", "ingest", "--handbook", "--server", url, "--api-key", key], cwd=tmp_path,
+                                  env=env, capture_output=True, text=True, timeout=1200)
+            assert done.returncode == 0, done.stderr[-2000:]
+            time.sleep(3)  # the front's recogniser reads the texts from the bucket
+            from openai import OpenAI
+
+            from cacheclip_rag.handbook import handbook_text
+
+            client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            for _ in range(2):
+                raw = client.chat.completions.with_raw_response.create(model="cacheclip", max_tokens=16, messages=[
+                    {"role": "system", "content": "Answer from the context.\n\n" + handbook_text()},
+                    {"role": "user", "content": "Who is the present director of the observatory?"}])
+                reply = raw.parse()
+                assert "Lindqvist" in reply.choices[0].message.content
+                assert raw.headers["x-cacheclip-replica"]
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0  # the second time at least, reused
+        finally:
+            serving.send_signal(2)
+            try:
+                serving.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                serving.kill()
+    finally:
+        s3.stop()

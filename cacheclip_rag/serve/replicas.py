@@ -124,13 +124,15 @@ class EngineReplica:
         self.store = engine.store
         self.app = create_app(engine, settings)
         self.held = HeldChunks(capacity)
+        self.reports = 0
 
     def record_routing_stats(self) -> dict:
         """What this replica holds, for the router. A full memory tier in front bounds it: the names kept are then
         as many as the entries it holds (less the prefix), the most recently used, as the tier keeps them."""
         if getattr(self.store, "max_bytes", None) and self.store.bytes >= 0.9 * self.store.max_bytes:
             self.held.resize(self.store.entries - 1)
-        return {"held": self.held.summary(), "count": len(self.held)}
+        self.reports += 1
+        return {"held": self.held.summary(), "count": len(self.held), "report": self.reports}
 
     async def handle(self, request: Forwarded) -> AsyncIterator[dict | bytes]:
         """The app's answer: first {"status", "headers"}, then the body's parts as they come."""
@@ -231,13 +233,20 @@ class ChunkAffinityRouter(RequestRouter):
 
     def initialize_state(self, imbalanced_threshold: int = 4) -> None:
         self.imbalance = imbalanced_threshold
+        # names sent to each replica since the report its summary came from (a newer report covers them)
         self.recent: dict[ReplicaID, OrderedDict[bytes, None]] = {}
+        self.reports: dict[ReplicaID, object] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         chunks = _forwarded(pending_request).chunks if _forwarded(pending_request) else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         summaries = {i: (r.routing_stats or {}).get("held") for i, r in by_id.items()}
+        for i, r in by_id.items():
+            report = (r.routing_stats or {}).get("report")
+            if report != self.reports.get(i):
+                self.reports[i] = report
+                self.recent.pop(i, None)
         queues = {i: self.replica_queue_len_cache.get(i) for i in by_id}
         recent = {i: set(self.recent.get(i, ())) for i in by_id}
         return [[by_id[i] for i in group] for group in rank(chunks, summaries, queues, self.imbalance, recent)]
@@ -255,6 +264,7 @@ class ChunkAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.recent.pop(replica_id, None)
+        self.reports.pop(replica_id, None)
 
 
 class PrefixAffinityRouter(RequestRouter):
