@@ -32,9 +32,12 @@ def test_the_summary_is_bounded_and_holds_what_was_added_recently():
     held.forget(chunks[100:150])
     assert not any(holds(held.summary(), d) for d in chunks[100:150])
     held.add(chunks[200:260])
-    held.resize(20)  # the fast tier holds 20 entries now: only the 20 most recent names stay
+    held.trim(20)  # the fast tier holds 20 entries now: only the 20 most recent names stay
     assert len(held) == 20 and all(holds(held.summary(), d) for d in chunks[240:260])
     assert sum(holds(held.summary(), d) for d in chunks[200:240]) <= 1
+    held.pin([chunks[299]])
+    held.trim(0)  # a pinned name (a tenant's owners' replica) stays whatever the fast tier evicts
+    assert holds(held.summary(), chunks[299]) and not any(holds(held.summary(), d) for d in chunks[240:260])
 
 
 def test_rank_prefers_what_a_replica_holds_in_any_order_and_skips_long_queues():

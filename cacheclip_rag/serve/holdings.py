@@ -48,6 +48,7 @@ class HeldChunks:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._names: OrderedDict[bytes, None] = OrderedDict()
+        self._pinned: set[bytes] = set()  # names held whatever the fast tier evicts (a tenant's owners' replica)
         self._lock = threading.Lock()
         self._summary: bytes | None = None
 
@@ -63,12 +64,16 @@ class HeldChunks:
                 self._names.popitem(last=False)
             self._summary = None
 
-    def resize(self, capacity: int) -> None:
-        """Hold at most `capacity` names from now on (what the fast tier holds, measured), the oldest dropped."""
+    def trim(self, count: int) -> None:
+        """Keep the `count` most recent names (as many as the fast tier holds entries now, measured)."""
         with self._lock:
-            self.capacity = max(1, capacity)
-            while len(self._names) > self.capacity:
+            while len(self._names) > max(0, count):
                 self._names.popitem(last=False)
+            self._summary = None
+
+    def pin(self, digests: Iterable[bytes]) -> None:
+        with self._lock:
+            self._pinned.update(digests)
             self._summary = None
 
     def forget(self, digests: Iterable[bytes]) -> None:
@@ -80,7 +85,7 @@ class HeldChunks:
     def summary(self) -> bytes:
         with self._lock:
             if self._summary is None:
-                self._summary = bloom(self._names)
+                self._summary = bloom([*self._names, *self._pinned])
             return self._summary
 
 
@@ -108,6 +113,6 @@ def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes
     best = max(scores.values(), default=0)
     if best == 0:
         return [balanced] + ([overloaded] if overloaded else [])
-    top = [r for r in balanced if scores[r] == best]
+    top = [r for r in balanced if scores[r] == best]  # in the given order: shuffle ties before (`rank` is pure)
     rest = sorted((r for r in balanced if scores[r] < best), key=lambda r: -scores[r])
     return [top] + ([rest] if rest else []) + ([overloaded] if overloaded else [])

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Forwarded:
     client: tuple[str, int] | None
     chunks: list[tuple[bytes, int]] = field(default_factory=list)
     prompt: str = ""
+    pins: list[bytes] = field(default_factory=list)  # names the replica that serves it keeps claiming (owners)
 
 
 def chunk_name(namespace: str, text: str) -> bytes:
@@ -127,10 +129,12 @@ class EngineReplica:
         self.reports = 0
 
     def record_routing_stats(self) -> dict:
-        """What this replica holds, for the router. A full memory tier in front bounds it: the names kept are then
-        as many as the entries it holds (less the prefix), the most recently used, as the tier keeps them."""
-        if getattr(self.store, "max_bytes", None) and self.store.bytes >= 0.9 * self.store.max_bytes:
-            self.held.resize(self.store.entries - 1)
+        """What this replica holds, for the router. A memory tier in front bounds it: the names kept are as many as
+        the entries it holds (less the prefix), the most recently used, as the tier keeps them (an ingest writes
+        the store, not the memory tier: its chunks are not claimed)."""
+        entries = getattr(self.store, "entries", None)
+        if entries is not None:
+            self.held.trim(entries - 1)
         self.reports += 1
         return {"held": self.held.summary(), "count": len(self.held), "report": self.reports}
 
@@ -170,8 +174,8 @@ class EngineReplica:
                         yield message["body"]
                     if not message.get("more_body"):
                         break
-            if request.chunks:
-                self.held.add(name for name, _ in request.chunks)
+            self.held.pin(request.pins)
+            self.held.add(name for name, _ in request.chunks if name not in request.pins)
         finally:
             gone.set()  # the client went away (or the answer is complete): the app sees a disconnect
             if not task.done():
@@ -207,6 +211,7 @@ class Front:
                               await asyncio.to_thread(self.recogniser.chunks, tenant, parsed, prompt), prompt)
         if request.url.path.startswith(("/v1/ingest", "/v1/documents")):
             forwarded.chunks += self.recogniser.owner_marker(tenant)
+            forwarded.pins = [name for name, _ in self.recogniser.owner_marker(tenant)]
         for attempt in range(3):  # a replica that died before answering: another one (nothing was sent yet)
             answer = self.replicas.remote(forwarded)
             try:
@@ -249,6 +254,9 @@ class ChunkAffinityRouter(RequestRouter):
                 self.recent.pop(i, None)
         queues = {i: self.replica_queue_len_cache.get(i) for i in by_id}
         recent = {i: set(self.recent.get(i, ())) for i in by_id}
+        order = list(by_id)
+        random.shuffle(order)  # Serve takes the shortest queue of a rank, the first on a tie: ties go anywhere
+        summaries = {i: summaries[i] for i in order}
         return [[by_id[i] for i in group] for group in rank(chunks, summaries, queues, self.imbalance, recent)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
