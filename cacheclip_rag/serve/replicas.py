@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import random
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ from .tenants import salted
 
 log = logging.getLogger(__name__)
 
-RECENT = 4096  # names a router remembers sending to a replica, until its next summary covers them
+RECENT = 4096  # names a router remembers sending to a replica, until its summaries cover them
+RECENT_S = 5.0  # how long: a few routing-stats periods (the default period is 1 s)
 PROMPTS = 256  # prompts the prefix router remembers a replica
 
 
@@ -126,7 +128,6 @@ class EngineReplica:
         self.store = engine.store
         self.app = create_app(engine, settings)
         self.held = HeldChunks(capacity)
-        self.reports = 0
 
     def record_routing_stats(self) -> dict:
         """What this replica holds, for the router. A memory tier in front bounds it: the names kept are as many as
@@ -135,8 +136,7 @@ class EngineReplica:
         entries = getattr(self.store, "entries", None)
         if entries is not None:
             self.held.trim(entries - 1)
-        self.reports += 1
-        return {"held": self.held.summary(), "count": len(self.held), "report": self.reports}
+        return {"held": self.held.summary(), "count": len(self.held)}
 
     async def handle(self, request: Forwarded) -> AsyncIterator[dict | bytes]:
         """The app's answer: first {"status", "headers"}, then the body's parts as they come."""
@@ -238,20 +238,18 @@ class ChunkAffinityRouter(RequestRouter):
 
     def initialize_state(self, imbalanced_threshold: int = 4) -> None:
         self.imbalance = imbalanced_threshold
-        # names sent to each replica since the report its summary came from (a newer report covers them)
-        self.recent: dict[ReplicaID, OrderedDict[bytes, None]] = {}
-        self.reports: dict[ReplicaID, object] = {}
+        # names sent to each replica in the last RECENT_S seconds (its summaries cover them after that)
+        self.recent: dict[ReplicaID, OrderedDict[bytes, float]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         chunks = _forwarded(pending_request).chunks if _forwarded(pending_request) else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         summaries = {i: (r.routing_stats or {}).get("held") for i, r in by_id.items()}
-        for i, r in by_id.items():
-            report = (r.routing_stats or {}).get("report")
-            if report != self.reports.get(i):
-                self.reports[i] = report
-                self.recent.pop(i, None)
+        stale = time.monotonic() - RECENT_S
+        for names in self.recent.values():
+            while names and next(iter(names.values())) < stale:
+                names.popitem(last=False)
         queues = {i: self.replica_queue_len_cache.get(i) for i in by_id}
         recent = {i: set(self.recent.get(i, ())) for i in by_id}
         order = list(by_id)
@@ -263,8 +261,9 @@ class ChunkAffinityRouter(RequestRouter):
         forwarded = _forwarded(pending_request)
         if forwarded and forwarded.chunks:
             names = self.recent.setdefault(replica_id, OrderedDict())
+            now = time.monotonic()
             for name, _ in forwarded.chunks:
-                names[name] = None
+                names[name] = now
                 names.move_to_end(name)
             while len(names) > RECENT:
                 names.popitem(last=False)
@@ -272,7 +271,6 @@ class ChunkAffinityRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.recent.pop(replica_id, None)
-        self.reports.pop(replica_id, None)
 
 
 class PrefixAffinityRouter(RequestRouter):
