@@ -41,6 +41,7 @@ from .tenants import salted
 log = logging.getLogger(__name__)
 
 RECENT = 4096  # names a router remembers sending to a replica, until its summaries cover them
+STICKY_TRIES = 3  # routing attempts that offer only the best-holding replicas
 RECENT_S = 5.0  # how long: a few routing-stats periods (the default period is 1 s)
 PROMPTS = 256  # prompts the prefix router remembers a replica
 
@@ -233,13 +234,31 @@ class Front:
         return response
 
 
-class ChunkAffinityRouter(RequestRouter):
+class _Remembering(RequestRouter):
+    """A router that remembers where it sent each request (`_sent`). Serve calls `on_request_routed` only under
+    strict `max_ongoing_requests`; its hand-over of a chosen replica to the request is hooked as well."""
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        pending = self._get_pending_request_matching_internal_request_id(request_metadata)
+        super()._fulfill_next_pending_request(replica, request_metadata)
+        if pending is not None:
+            self._sent(pending, replica.replica_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        self._sent(pending_request, replica_id)
+
+    def _sent(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        raise NotImplementedError
+
+
+class ChunkAffinityRouter(_Remembering):
     """To the replica whose fast tiers hold most of the request's chunk characters (`holdings.rank`)."""
 
     def initialize_state(self, imbalanced_threshold: int = 4) -> None:
         self.imbalance = imbalanced_threshold
         # names sent to each replica in the last RECENT_S seconds (its summaries cover them after that)
         self.recent: dict[ReplicaID, OrderedDict[bytes, float]] = {}
+        self.tries: dict[int, int] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -255,9 +274,18 @@ class ChunkAffinityRouter(RequestRouter):
         order = list(by_id)
         random.shuffle(order)  # Serve takes the shortest queue of a rank, the first on a tie: ties go anywhere
         summaries = {i: summaries[i] for i in order}
-        return [[by_id[i] for i in group] for group in rank(chunks, summaries, queues, self.imbalance, recent)]
+        ranks = [[by_id[i] for i in group] for group in rank(chunks, summaries, queues, self.imbalance, recent)]
+        # Serve moves to the next rank when a replica's queue length is not known in time (a busy machine misses
+        # the probe's 0.1 s deadline often): the first tries offer the best rank alone, so a slow probe delays the
+        # request a little instead of sending it where its chunks are not
+        key = id(pending_request)
+        self.tries[key] = self.tries.get(key, 0) + 1
+        if len(self.tries) > 4096:
+            self.tries.clear()
+        return ranks[:1] if self.tries[key] <= STICKY_TRIES and ranks else ranks
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+    def _sent(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
+        self.tries.pop(id(pending_request), None)
         forwarded = _forwarded(pending_request)
         if forwarded and forwarded.chunks:
             names = self.recent.setdefault(replica_id, OrderedDict())
@@ -273,7 +301,7 @@ class ChunkAffinityRouter(RequestRouter):
         self.recent.pop(replica_id, None)
 
 
-class PrefixAffinityRouter(RequestRouter):
+class PrefixAffinityRouter(_Remembering):
     """The policy of today's routers (Ray Serve LLM's prefix-cache router, llm-d's prefix scorer): the replica
     that served the longest prefix of this prompt, if it covers `match_rate` of it; otherwise any balanced one."""
 
@@ -300,7 +328,7 @@ class PrefixAffinityRouter(RequestRouter):
             return [chosen, [r for r in candidate_replicas if r not in chosen]]
         return [balanced or candidate_replicas]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+    def _sent(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
         forwarded = _forwarded(pending_request)
         if forwarded and forwarded.prompt:
             seen = self.prompts.setdefault(replica_id, OrderedDict())
