@@ -234,7 +234,7 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> l
                                     host_bytes=int(ENTRY_BYTES * len(chunks) * fast_share))
                 ray_serve.run(application(build, bucket, 4, {key: OPERATOR}, router=router, stats_period_s=0.5,
                                           replica_cpus=0), name="cacheclip", route_prefix="/")
-                ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM.strip()},
+                ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM},
                                     headers=headers, timeout=600)
                 assert ingest.status_code == 200, ingest.text
                 time.sleep(2.0)  # the front's index reads the texts
