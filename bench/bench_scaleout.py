@@ -203,7 +203,7 @@ def zipf_requests(n: int, chunks: list[str], workload: str, seed: int) -> list[l
     return requests
 
 
-def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> list[dict]:
+def router_rows(server: S3Server, requests_per_run: int, fast_share: float, workloads: list[str], routers: list[str]) -> list[dict]:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -227,8 +227,8 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> l
     rows = []
     work = Path(tempfile.mkdtemp(prefix="scaleout-routers-"))
     try:
-        for workload in ("independent", "topical", "topical-prefix"):
-            for router in ("pow2", "prefix", "affinity"):
+        for workload in workloads:
+            for router in routers:
                 bucket = server.bucket(f"routers-{workload}-{router}") + "/corpus"
                 build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,
                                     host_bytes=int(ENTRY_BYTES * len(chunks) * fast_share))
@@ -261,7 +261,7 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> l
                 s3_hits = sum(u["timings"]["store"].get("s3_hits", 0) for _, u in counted)
                 entries = sum(u["chunks_recognised"] for _, u in counted)
                 ttfts = sorted(u["timings"]["ttft_s"] for _, u in counted)
-                per_replica: dict[str, int] = {}
+                per_replica: dict[str, int] = {}  # replicas that got nothing count too (spread = infinity)
                 for name, _ in results:
                     per_replica[name] = per_replica.get(name, 0) + 1
                 rows.append({"part": "routers", "workload": workload, "router": router, "fast_share": fast_share,
@@ -271,7 +271,8 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float) -> l
                              "recognised_per_request": entries / max(1, len(counted)),
                              "p50_ttft_s": ttfts[len(ttfts) // 2], "p95_ttft_s": ttfts[int(len(ttfts) * 0.95)],
                              "requests_per_s": len(results) / elapsed,
-                             "load_spread": max(per_replica.values()) / max(1, min(per_replica.values())),
+                             "load_spread": (max(per_replica.values()) / min(per_replica.values())
+                                             if len(per_replica) == 4 else float("inf")),
                              "per_replica": sorted(per_replica.values())})
                 print(rows[-1])
                 ray_serve.delete("cacheclip")
@@ -289,6 +290,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("read", "ttft", "routers"), required=True)
     parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--workloads", default="independent,topical,topical-prefix")
+    parser.add_argument("--routers", default="pow2,prefix,affinity")
     parser.add_argument("--fast-share", type=float, default=1 / 3, help="a replica's memory tier: this share of the corpus")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", type=int, default=8)
@@ -302,7 +305,7 @@ def main() -> int:
             elif args.part == "ttft":
                 rows = ttft_rows(server, args.cases)
             else:
-                rows = router_rows(server, args.requests, args.fast_share)
+                rows = router_rows(server, args.requests, args.fast_share, args.workloads.split(","), args.routers.split(","))
     finally:
         server.stop()
     for row in rows:

@@ -342,9 +342,15 @@ class PrefixAffinityRouter(_Remembering):
 
 
 def _forwarded(pending_request: PendingRequest | None) -> Forwarded | None:
-    if pending_request is None or not pending_request.args or not isinstance(pending_request.args[0], Forwarded):
+    """The request's `Forwarded`, read by its fields: Serve unpickles the front's deployment class by value, so
+    its `Forwarded` is not this module's class object (an `isinstance` check failed every time, and the routers
+    routed blind)."""
+    if pending_request is None or not pending_request.args:
         return None
-    return pending_request.args[0]
+    arg = pending_request.args[0]
+    if isinstance(getattr(arg, "chunks", None), list) and isinstance(getattr(arg, "prompt", None), str):
+        return arg
+    return None
 
 
 def _common(a: str, b: str) -> int:
