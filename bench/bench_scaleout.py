@@ -261,7 +261,7 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
                 s3_hits = sum(u["timings"]["store"].get("s3_hits", 0) for _, u in counted)
                 entries = sum(u["chunks_recognised"] for _, u in counted)
                 ttfts = sorted(u["timings"]["ttft_s"] for _, u in counted)
-                per_replica: dict[str, int] = {}  # replicas that got nothing count too (spread = infinity)
+                per_replica: dict[str, int] = {}  # replicas that got nothing count too (spread: null)
                 for name, _ in results:
                     per_replica[name] = per_replica.get(name, 0) + 1
                 rows.append({"part": "routers", "workload": workload, "router": router, "fast_share": fast_share,
@@ -272,7 +272,7 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
                              "p50_ttft_s": ttfts[len(ttfts) // 2], "p95_ttft_s": ttfts[int(len(ttfts) * 0.95)],
                              "requests_per_s": len(results) / elapsed,
                              "load_spread": (max(per_replica.values()) / min(per_replica.values())
-                                             if len(per_replica) == 4 else float("inf")),
+                                             if len(per_replica) == 4 else None),
                              "per_replica": sorted(per_replica.values())})
                 print(rows[-1])
                 ray_serve.delete("cacheclip")
