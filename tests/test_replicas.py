@@ -52,6 +52,28 @@ def test_rank_prefers_what_a_replica_holds_in_any_order_and_skips_long_queues():
     assert rank(request, {"a": None, "c": None}, {}, recent={"c": {chunks[5]}})[0] == ["c"]  # sent there, not yet summarised
 
 
+def test_rank_bounds_each_replicas_share_of_recent_requests():
+    """Short queues never trip the queue guard (fast requests, few clients): the bounded-load guard keeps one
+    replica from taking every request whose chunks it holds, and a stream of such requests spreads within the
+    bound."""
+    chunks = names(6)
+    summaries = {"a": bloom(chunks), "b": bloom([]), "c": bloom([]), "d": bloom([])}
+    request = [(chunks[1], 500), (chunks[4], 500)]
+    queues = {r: 0 for r in summaries}
+    assert rank(request, summaries, queues, shares={"a": 5, "b": 5, "c": 5, "d": 5})[0] == ["a"]
+    assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[0] != ["a"]  # 13 > 1.2 * 5 + 1
+    assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[-1] == ["a"]
+    assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2}, bound=3.0)[0] == ["a"]
+    routed: list[str] = []
+    for _ in range(400):
+        window = routed[-64:]
+        shares = {r: window.count(r) for r in summaries}
+        ranks = rank(request, summaries, queues, shares=shares)
+        routed.append(sorted(ranks[0], key=lambda r: shares[r])[0])  # Serve: the shortest queue of the first rank
+    counts = [routed.count(r) for r in summaries]
+    assert max(counts) / min(counts) <= 2.0 and counts[0] == max(counts)
+
+
 # ---- on Ray Serve -------------------------------------------------------------------------------------------
 
 KEY = "sk-replicas-" + "x" * 12

@@ -97,17 +97,25 @@ def score(chunks: Sequence[tuple[bytes, int]], summary: bytes | None, extra: set
 
 def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes | None],
          queues: Mapping[Hashable, int | None], imbalance: int = 4,
-         recent: Mapping[Hashable, set[bytes]] | None = None) -> list[list[Hashable]]:
+         recent: Mapping[Hashable, set[bytes]] | None = None,
+         shares: Mapping[Hashable, int] | None = None, bound: float = 1.2) -> list[list[Hashable]]:
     """Replicas in ranks, best first: those holding the most of the request's chunk characters (ties together),
     then the rest of the balanced ones by what they hold, then those more than `imbalance` queued requests behind
-    the shortest queue. An unknown queue length counts as balanced. `recent`: names a router sent to each
-    replica since its last summary (they will be held there once served)."""
+    the shortest queue or past their bounded load. An unknown queue length counts as balanced. `recent`: names a
+    router sent to each replica since its last summary (they will be held there once served). `shares`: requests
+    sent to each replica lately; one sent more than `bound` times the mean (plus one) waits its turn, as in
+    consistent hashing with bounded loads (Mirrokni et al., 2018): queues stay short when requests are fast, so
+    the queue guard alone let one replica take every request whose chunks it held."""
     replicas = list(summaries)
     if not replicas:
         return []
     known = [q for q in (queues.get(r) for r in replicas) if q is not None]
     shortest = min(known) if known else 0
-    balanced = [r for r in replicas if queues.get(r) is None or queues[r] - shortest <= imbalance]
+    cap = bound * sum((shares or {}).values()) / len(replicas) + 1
+    balanced = [r for r in replicas if (queues.get(r) is None or queues[r] - shortest <= imbalance)
+                and (shares or {}).get(r, 0) <= cap]
+    if not balanced:
+        balanced = replicas
     overloaded = [r for r in replicas if r not in balanced]
     scores = {r: score(chunks, summaries[r], (recent or {}).get(r, set())) for r in balanced}
     best = max(scores.values(), default=0)

@@ -22,7 +22,7 @@ import json
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 RECENT = 4096  # names a router remembers sending to a replica, until its summaries cover them
 STICKY_TRIES = 3  # routing attempts that offer only the best-holding replicas
 RECENT_S = 5.0  # how long: a few routing-stats periods (the default period is 1 s)
+LOAD_WINDOW = 16  # requests per replica in the window the bounded-load guard counts
 PROMPTS = 256  # prompts the prefix router remembers a replica
 
 
@@ -254,8 +255,10 @@ class _Remembering(RequestRouter):
 class ChunkAffinityRouter(_Remembering):
     """To the replica whose fast tiers hold most of the request's chunk characters (`holdings.rank`)."""
 
-    def initialize_state(self, imbalanced_threshold: int = 4) -> None:
-        self.imbalance = imbalanced_threshold
+    def initialize_state(self, imbalanced_threshold: int = 4, load_bound: float = 1.2) -> None:
+        self.imbalance, self.load_bound = imbalanced_threshold, load_bound
+        self.routed: deque[ReplicaID] = deque()  # the replicas of the last requests (LOAD_WINDOW a replica)
+        self.replicas = 1
         # names sent to each replica in the last RECENT_S seconds (its summaries cover them after that)
         self.recent: dict[ReplicaID, OrderedDict[bytes, float]] = {}
         self.tries: dict[int, int] = {}
@@ -264,6 +267,7 @@ class ChunkAffinityRouter(_Remembering):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         chunks = _forwarded(pending_request).chunks if _forwarded(pending_request) else []
         by_id = {r.replica_id: r for r in candidate_replicas}
+        self.replicas = max(1, len(by_id))
         summaries = {i: (r.routing_stats or {}).get("held") for i, r in by_id.items()}
         stale = time.monotonic() - RECENT_S
         for names in self.recent.values():
@@ -274,7 +278,9 @@ class ChunkAffinityRouter(_Remembering):
         order = list(by_id)
         random.shuffle(order)  # Serve takes the shortest queue of a rank, the first on a tie: ties go anywhere
         summaries = {i: summaries[i] for i in order}
-        ranks = [[by_id[i] for i in group] for group in rank(chunks, summaries, queues, self.imbalance, recent)]
+        shares = Counter(i for i in self.routed if i in by_id)
+        ranks = [[by_id[i] for i in group]
+                 for group in rank(chunks, summaries, queues, self.imbalance, recent, shares, self.load_bound)]
         # Serve moves to the next rank when a replica's queue length is not known in time (a busy machine misses
         # the probe's 0.1 s deadline often): the first tries offer the best rank alone, so a slow probe delays the
         # request a little instead of sending it where its chunks are not
@@ -286,6 +292,9 @@ class ChunkAffinityRouter(_Remembering):
 
     def _sent(self, pending_request: PendingRequest, replica_id: ReplicaID) -> None:
         self.tries.pop(id(pending_request), None)
+        self.routed.append(replica_id)
+        while len(self.routed) > LOAD_WINDOW * self.replicas:
+            self.routed.popleft()
         forwarded = _forwarded(pending_request)
         if forwarded and forwarded.chunks:
             names = self.recent.setdefault(replica_id, OrderedDict())
