@@ -64,6 +64,8 @@ def test_rank_bounds_each_replicas_share_of_recent_requests():
     assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[0] != ["a"]  # 13 > 1.2 * 5 + 1
     assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[-1] == ["a"]
     assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2}, bound=3.0)[0] == ["a"]
+    # a replica far below the mean joins the first rank (the cap alone leaves it only the overflow)
+    assert rank(request, summaries, queues, shares={"a": 8, "b": 8, "c": 8, "d": 0})[0] == ["a", "d"]
     routed: list[str] = []
     for _ in range(400):
         window = routed[-64:]

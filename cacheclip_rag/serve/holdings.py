@@ -105,7 +105,9 @@ def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes
     router sent to each replica since its last summary (they will be held there once served). `shares`: requests
     sent to each replica lately; one sent more than `bound` times the mean (plus one) waits its turn, as in
     consistent hashing with bounded loads (Mirrokni et al., 2018): queues stay short when requests are fast, so
-    the queue guard alone let one replica take every request whose chunks it held."""
+    the queue guard alone let one replica take every request whose chunks it held. One sent less than the mean
+    over `bound` (minus one) joins the first rank: the cap alone left a replica holding nothing popular with only
+    the overflow (a fifth of its peers' requests)."""
     replicas = list(summaries)
     if not replicas:
         return []
@@ -121,6 +123,7 @@ def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes
     best = max(scores.values(), default=0)
     if best == 0:
         return [balanced] + ([overloaded] if overloaded else [])
-    top = [r for r in balanced if scores[r] == best]  # in the given order: shuffle ties before (`rank` is pure)
-    rest = sorted((r for r in balanced if scores[r] < best), key=lambda r: -scores[r])
+    floor = sum((shares or {}).values()) / len(replicas) / bound - 1
+    top = [r for r in balanced if scores[r] == best or (shares or {}).get(r, 0) < floor]  # shuffle ties before
+    rest = sorted((r for r in balanced if r not in top), key=lambda r: -scores[r])
     return [top] + ([rest] if rest else []) + ([overloaded] if overloaded else [])
