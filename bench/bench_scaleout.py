@@ -203,7 +203,8 @@ def zipf_requests(n: int, chunks: list[str], workload: str, seed: int) -> list[l
     return requests
 
 
-def router_rows(server: S3Server, requests_per_run: int, fast_share: float, workloads: list[str], routers: list[str]) -> list[dict]:
+def router_rows(server: S3Server, requests_per_run: int, fast_share: float, workloads: list[str], routers: list[str],
+                load_bound: float | None = None) -> list[dict]:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -233,7 +234,8 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
                 build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,
                                     host_bytes=int(ENTRY_BYTES * len(chunks) * fast_share))
                 ray_serve.run(application(build, bucket, 4, {key: OPERATOR}, router=router, stats_period_s=0.5,
-                                          replica_cpus=0), name="cacheclip", route_prefix="/")
+                                          replica_cpus=0, **({"load_bound": load_bound} if load_bound else {})),
+                              name="cacheclip", route_prefix="/")
                 ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM},
                                     headers=headers, timeout=600)
                 assert ingest.status_code == 200, ingest.text
@@ -292,6 +294,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--workloads", default="independent,topical,topical-prefix")
     parser.add_argument("--routers", default="pow2,prefix,affinity")
+    parser.add_argument("--load-bound", type=float, default=None, help="the affinity router's load bound (default: its own)")
     parser.add_argument("--fast-share", type=float, default=1 / 3, help="a replica's memory tier: this share of the corpus")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--cases", type=int, default=8)
@@ -305,7 +308,8 @@ def main() -> int:
             elif args.part == "ttft":
                 rows = ttft_rows(server, args.cases)
             else:
-                rows = router_rows(server, args.requests, args.fast_share, args.workloads.split(","), args.routers.split(","))
+                rows = router_rows(server, args.requests, args.fast_share, args.workloads.split(","), args.routers.split(","),
+                                   args.load_bound)
     finally:
         server.stop()
     for row in rows:

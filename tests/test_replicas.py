@@ -61,14 +61,14 @@ def test_rank_bounds_each_replicas_share_of_recent_requests():
     request = [(chunks[1], 500), (chunks[4], 500)]
     queues = {r: 0 for r in summaries}
     assert rank(request, summaries, queues, shares={"a": 5, "b": 5, "c": 5, "d": 5})[0] == ["a"]
-    assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[0] != ["a"]  # 13 > 1.2 * 5 + 1
+    assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[0] != ["a"]  # 13 > 1.5 * 5 + 1
     assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2})[-1] == ["a"]
     assert rank(request, summaries, queues, shares={"a": 13, "b": 2, "c": 3, "d": 2}, bound=3.0)[0] == ["a"]
     # a replica far below the mean joins the first rank (the cap alone leaves it only the overflow)
     assert rank(request, summaries, queues, shares={"a": 8, "b": 8, "c": 8, "d": 0})[0] == ["a", "d"]
     routed: list[str] = []
     for _ in range(400):
-        window = routed[-64:]
+        window = routed[-128:]  # LOAD_WINDOW (32) a replica
         shares = {r: window.count(r) for r in summaries}
         ranks = rank(request, summaries, queues, shares=shares)
         routed.append(sorted(ranks[0], key=lambda r: shares[r])[0])  # Serve: the shortest queue of the first rank

@@ -98,7 +98,7 @@ def score(chunks: Sequence[tuple[bytes, int]], summary: bytes | None, extra: set
 def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes | None],
          queues: Mapping[Hashable, int | None], imbalance: int = 4,
          recent: Mapping[Hashable, set[bytes]] | None = None,
-         shares: Mapping[Hashable, int] | None = None, bound: float = 1.2) -> list[list[Hashable]]:
+         shares: Mapping[Hashable, int] | None = None, bound: float = 1.5) -> list[list[Hashable]]:
     """Replicas in ranks, best first: those holding the most of the request's chunk characters (ties together),
     then the rest of the balanced ones by what they hold, then those more than `imbalance` queued requests behind
     the shortest queue or past their bounded load. An unknown queue length counts as balanced. `recent`: names a

@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 RECENT = 4096  # names a router remembers sending to a replica, until its summaries cover them
 STICKY_TRIES = 3  # routing attempts that offer only the best-holding replicas
-RECENT_S = 5.0  # how long: a few routing-stats periods (the default period is 1 s)
-LOAD_WINDOW = 16  # requests per replica in the window the bounded-load guard counts
+RECENT_S = 2.5  # how long, in routing-stats periods (a replica's report covers them by then)
+LOAD_WINDOW = 32  # requests per replica in the window the bounded-load guard counts
+LOAD_BOUND = 1.5  # a replica's share of that window: at most this times the mean, at least the mean over it
 PROMPTS = 256  # prompts the prefix router remembers a replica
 
 
@@ -255,8 +256,12 @@ class _Remembering(RequestRouter):
 class ChunkAffinityRouter(_Remembering):
     """To the replica whose fast tiers hold most of the request's chunk characters (`holdings.rank`)."""
 
-    def initialize_state(self, imbalanced_threshold: int = 4, load_bound: float = 1.2) -> None:
+    def initialize_state(self, imbalanced_threshold: int = 4, load_bound: float = LOAD_BOUND,
+                         stats_period_s: float = 1.0) -> None:
         self.imbalance, self.load_bound = imbalanced_threshold, load_bound
+        # longer, and a replica's memory tier has evicted many of the names by then (every name sent in 5 s
+        # counted as held, three times what a 20-entry tier holds)
+        self.recent_s = RECENT_S * stats_period_s
         self.routed: deque[ReplicaID] = deque()  # the replicas of the last requests (LOAD_WINDOW a replica)
         self.replicas = 1
         # names sent to each replica in the last RECENT_S seconds (its summaries cover them after that)
@@ -269,7 +274,7 @@ class ChunkAffinityRouter(_Remembering):
         by_id = {r.replica_id: r for r in candidate_replicas}
         self.replicas = max(1, len(by_id))
         summaries = {i: (r.routing_stats or {}).get("held") for i, r in by_id.items()}
-        stale = time.monotonic() - RECENT_S
+        stale = time.monotonic() - self.recent_s
         for names in self.recent.values():
             while names and next(iter(names.values())) < stale:
                 names.popitem(last=False)
@@ -391,7 +396,7 @@ ROUTERS = {"affinity": ChunkAffinityRouter, "prefix": PrefixAffinityRouter, "pow
 
 def application(build: Callable[[str], tuple[Engine, ServerSettings]], shared: str, replicas: int,
                 keys: dict[str, Tenant] | None = None, router: str = "affinity", stats_period_s: float = 1.0,
-                imbalanced_threshold: int = 4, replica_cpus: float = 1.0):
+                imbalanced_threshold: int = 4, replica_cpus: float = 1.0, load_bound: float = LOAD_BOUND):
     """The Serve application: `Front` over `replicas` × `EngineReplica` (`build(name)` makes each one's engine and
     settings), routed by `router` ("affinity", "prefix", or "pow2": Serve's default power of two choices). Each
     replica asks Ray for `replica_cpus` CPUs (0: as many replicas as asked on any machine, sharing its cores)."""
@@ -404,7 +409,10 @@ def application(build: Callable[[str], tuple[Engine, ServerSettings]], shared: s
     options: dict = {"num_replicas": replicas, "max_ongoing_requests": 16, "ray_actor_options": {"num_cpus": replica_cpus}}
     config = {"request_routing_stats_period_s": stats_period_s, "request_routing_stats_timeout_s": 5.0}
     if ROUTERS[router] is not None:
-        config.update(request_router_class=ROUTERS[router], request_router_kwargs={"imbalanced_threshold": imbalanced_threshold})
+        kwargs: dict = {"imbalanced_threshold": imbalanced_threshold}
+        if router == "affinity":
+            kwargs.update(load_bound=load_bound, stats_period_s=stats_period_s)
+        config.update(request_router_class=ROUTERS[router], request_router_kwargs=kwargs)
     options["request_router_config"] = RequestRouterConfig(**config)
     front = Front.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     return front.bind(EngineReplica.options(**options).bind(build), shared, dict(keys or {}))
