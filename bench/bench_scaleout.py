@@ -275,14 +275,38 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
                              "requests_per_s": len(results) / elapsed,
                              "load_spread": (max(per_replica.values()) / min(per_replica.values())
                                              if len(per_replica) == 4 else None),
-                             "per_replica": sorted(per_replica.values())})
-                print(rows[-1])
+                             "per_replica": sorted(per_replica.values()),
+                             # per counted request, in the same order for every router (paired comparisons)
+                             "ttft_each_s": [u["timings"]["ttft_s"] for _, u in counted],
+                             "memory_hits_each": [max(0, u["timings"]["store"].get("host_hits", 0) - 1) for _, u in counted]})
+                print({k: v for k, v in rows[-1].items() if not k.endswith("_each") and not k.endswith("_each_s")})
                 ray_serve.delete("cacheclip")
     finally:
         ray_serve.shutdown()
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
-    return rows
+    return rows + comparisons(rows)
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Ours against each other router on the same requests: memory hit rate and p50 TTFT as ratios, with paired
+    bootstrap 95% intervals (requests resampled)."""
+    import numpy as np
+
+    from cacheclip_rag.evaluation.stats import ratio_of_means
+
+    out = []
+    for ours in (r for r in rows if r["router"] == "affinity"):
+        for peer in (r for r in rows if r["workload"] == ours["workload"] and r["router"] != "affinity"):
+            a, b = np.array(ours["ttft_each_s"]), np.array(peer["ttft_each_s"])
+            idx = np.random.default_rng(0).integers(0, len(a), size=(10_000, len(a)))
+            ratios = np.median(a[idx], axis=1) / np.median(b[idx], axis=1)
+            out.append({"part": "routers_vs", "workload": ours["workload"], "against": peer["router"],
+                        "memory_hit_ratio": ratio_of_means(list(zip(ours["memory_hits_each"], peer["memory_hits_each"]))),
+                        "p50_ttft_ratio": {"mean": float(np.median(a) / np.median(b)),
+                                           "low": float(np.quantile(ratios, 0.025)),
+                                           "high": float(np.quantile(ratios, 0.975)), "n": int(len(a))}})
+    return out
 
 
 ENTRY_BYTES = 3 * 2 * 2 * 16 * 4 * 270  # the tiny model's cache of a ~270-token chunk (float32)
@@ -316,6 +340,10 @@ def main() -> int:
         if row["part"] == "read":
             print(f"{row['tier']:>11} {row['chunks']:>2} chunks ({row['bytes'] / 1e6:.0f} MB): "
                   f"{row['median_s'] * 1e3:8.1f} ms  {row['mb_per_s']:8.0f} MB/s")
+        elif row["part"] == "routers_vs":
+            hit, ttft = row["memory_hit_ratio"], row["p50_ttft_ratio"]
+            print(f"{row['workload']:>14} affinity vs {row['against']:>6}: memory hits {hit['mean']:.2f}x "
+                  f"[{hit['low']:.2f}, {hit['high']:.2f}], p50 TTFT {ttft['mean']:.2f}x [{ttft['low']:.2f}, {ttft['high']:.2f}]")
         elif row["part"] == "ttft":
             print(f"{row['length']} {row['condition']:>5}: n={row['n']} median TTFT {row['median_ttft_s']:.2f} s, "
                   f"right {row['right']}/{row['n']}, equal to full {row['equal_full']}/{row['n']}")

@@ -28,7 +28,7 @@ def main() -> int:
     runs = sorted(name for name in data if name.startswith("routers_"))
     fig, axes = plt.subplots(1, len(runs) + 1, figsize=(5.2 * (len(runs) + 1), 4.2))
     for ax, name in zip(axes, runs):
-        rows = data[name]["rows"]
+        rows = [r for r in data[name]["rows"] if r["part"] == "routers"]
         labels = [f"{r['workload']}\n{r['router']}" for r in rows]
         bottom = [0.0] * len(rows)
         for i, (field, label) in enumerate(SOURCES):
