@@ -26,7 +26,7 @@ def main() -> int:
     args = p.parse_args()
     data = json.loads(Path(args.result).read_text())
     runs = sorted(name for name in data if name.startswith("routers_"))
-    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(5.2 * (len(runs) + 1), 4.2))
+    fig, axes = plt.subplots(1, len(runs) + 1, figsize=(7 * len(runs) + 5, 5), width_ratios=[1.6] * len(runs) + [1])
     for ax, name in zip(axes, runs):
         rows = [r for r in data[name]["rows"] if r["part"] == "routers"]
         labels = [f"{r['workload']}\n{r['router']}" for r in rows]
@@ -38,15 +38,15 @@ def main() -> int:
         twin = ax.twinx()
         twin.plot(range(len(rows)), [r["p50_ttft_s"] * 1e3 for r in rows], "ko", label="p50 TTFT")
         twin.plot(range(len(rows)), [r["p95_ttft_s"] * 1e3 for r in rows], "k^", label="p95 TTFT")
-        twin.set(ylabel="TTFT (ms)", ylim=(0, None))
+        twin.set(ylabel="TTFT (ms)", ylim=(0, 1.35 * max(r["p95_ttft_s"] for r in rows) * 1e3))
         share = rows[0]["fast_share"]
-        ax.set(ylabel="share of recognised chunks", ylim=(0, 1.05),
+        ax.set(ylabel="share of recognised chunks", ylim=(0, 1.35),
                title=f"4 replicas, memory tier {share:.3g} of the corpus")
-        ax.set_xticks(range(len(rows)), labels, fontsize=6)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=45, ha="right")
         ax.legend(fontsize=7, loc="upper left")
         twin.legend(fontsize=7, loc="upper right")
     ax = axes[-1]
-    rows = data.get("cold_ttft", {}).get("rows", [])
+    rows = [r for r in data.get("cold_ttft", {}).get("rows", []) if "length" in r]
     lengths = sorted({r["length"] for r in rows})
     conditions = ["full", "miss", "cold", "hot"]
     for i, condition in enumerate(conditions):
