@@ -98,7 +98,7 @@ def score(chunks: Sequence[tuple[bytes, int]], summary: bytes | None, extra: set
 def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes | None],
          queues: Mapping[Hashable, int | None], imbalance: int = 4,
          recent: Mapping[Hashable, set[bytes]] | None = None,
-         shares: Mapping[Hashable, int] | None = None, bound: float = 1.5) -> list[list[Hashable]]:
+         shares: Mapping[Hashable, int] | None = None, bound: float = 1.5, window: int = 0) -> list[list[Hashable]]:
     """Replicas in ranks, best first: those holding the most of the request's chunk characters (ties together),
     then the rest of the balanced ones by what they hold, then those more than `imbalance` queued requests behind
     the shortest queue or past their bounded load. An unknown queue length counts as balanced. `recent`: names a
@@ -107,13 +107,16 @@ def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes
     consistent hashing with bounded loads (Mirrokni et al., 2018): queues stay short when requests are fast, so
     the queue guard alone let one replica take every request whose chunks it held. One sent less than the mean
     over `bound` (minus one) joins the first rank: the cap alone left a replica holding nothing popular with only
-    the overflow (a fifth of its peers' requests)."""
+    the overflow (a fifth of its peers' requests). Until `window` requests were counted, the mean is taken over
+    `window` and nobody is below it: a quiet server sends a few requests in a row where their chunks are."""
     replicas = list(summaries)
     if not replicas:
         return []
     known = [q for q in (queues.get(r) for r in replicas) if q is not None]
     shortest = min(known) if known else 0
-    cap = bound * sum((shares or {}).values()) / len(replicas) + 1
+    total = sum((shares or {}).values())
+    mean = max(total, window) / len(replicas)
+    cap = bound * mean + 1
     balanced = [r for r in replicas if (queues.get(r) is None or queues[r] - shortest <= imbalance)
                 and (shares or {}).get(r, 0) <= cap]
     if not balanced:
@@ -123,7 +126,7 @@ def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes
     best = max(scores.values(), default=0)
     if best == 0:
         return [balanced] + ([overloaded] if overloaded else [])
-    floor = sum((shares or {}).values()) / len(replicas) / bound - 1
+    floor = mean / bound - 1 if total >= window else -1
     top = [r for r in balanced if scores[r] == best or (shares or {}).get(r, 0) < floor]  # shuffle ties before
     rest = sorted((r for r in balanced if r not in top), key=lambda r: -scores[r])
     return [top] + ([rest] if rest else []) + ([overloaded] if overloaded else [])

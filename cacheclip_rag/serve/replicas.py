@@ -285,7 +285,8 @@ class ChunkAffinityRouter(_Remembering):
         summaries = {i: summaries[i] for i in order}
         shares = Counter(i for i in self.routed if i in by_id)
         ranks = [[by_id[i] for i in group]
-                 for group in rank(chunks, summaries, queues, self.imbalance, recent, shares, self.load_bound)]
+                 for group in rank(chunks, summaries, queues, self.imbalance, recent, shares, self.load_bound,
+                                     LOAD_WINDOW * self.replicas)]
         # Serve moves to the next rank when a replica's queue length is not known in time (a busy machine misses
         # the probe's 0.1 s deadline often): the first tries offer the best rank alone, so a slow probe delays the
         # request a little instead of sending it where its chunks are not
