@@ -203,8 +203,21 @@ def zipf_requests(n: int, chunks: list[str], workload: str, seed: int) -> list[l
     return requests
 
 
+def replica_builder(model: str, folder: Path, bucket: str, keys: dict, environment: dict, fast_bytes: int):
+    """Each replica's engine: the tiny test model (`TinyReplica`), or the default model as `cacheclip serve
+    --replicas` builds it (`ConfiguredReplica`: Qwen2.5-Coder-0.5B-Instruct, the engine's defaults)."""
+    from cacheclip_rag.serve.app import ServerSettings
+    from cacheclip_rag.serve.replicas import ConfiguredReplica
+    from cacheclip_rag.testing import TinyReplica
+
+    if model == "tiny":
+        return TinyReplica(str(folder), bucket, keys, environment, host_bytes=fast_bytes)
+    config = EngineConfig(store_path=str(folder), shared_store=bucket, host_cache_bytes=fast_bytes)
+    return ConfiguredReplica(config, ServerSettings(tenant_keys=dict(keys), index_refresh_s=0.2))
+
+
 def router_rows(server: S3Server, requests_per_run: int, fast_share: float, workloads: list[str], routers: list[str],
-                load_bound: float | None = None) -> list[dict]:
+                load_bound: float | None = None, model: str = "tiny") -> list[dict]:
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -215,12 +228,12 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
     from cacheclip_rag.object_server import free_port
     from cacheclip_rag.serve.keys import OPERATOR
     from cacheclip_rag.serve.replicas import application
-    from cacheclip_rag.testing import TinyReplica
-
     key = "sk-bench-" + "x" * 16
     chunks = corpus()
     environment = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": environment}, log_to_driver=False)
+    # the default model: one thread a replica (four replicas' thread pools on 2 cores spin against each other)
+    threads = {"OMP_NUM_THREADS": "1"} if model != "tiny" else {}
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {**environment, **threads}}, log_to_driver=False)
     port = free_port()
     ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
@@ -231,13 +244,14 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
         for workload in workloads:
             for router in routers:
                 bucket = server.bucket(f"routers-{workload}-{router}") + "/corpus"
-                build = TinyReplica(str(work / f"{workload}-{router}"), bucket, {key: OPERATOR}, environment,
-                                    host_bytes=int(ENTRY_BYTES * len(chunks) * fast_share))
+                entry_bytes = ENTRY_BYTES if model == "tiny" else LAYERS * KV_HEADS * HEAD_DIM * 2 * 2 * 270
+                build = replica_builder(model, work / f"{workload}-{router}", bucket, {key: OPERATOR}, environment,
+                                        int(entry_bytes * len(chunks) * fast_share))
                 ray_serve.run(application(build, bucket, 4, {key: OPERATOR}, router=router, stats_period_s=0.5,
                                           replica_cpus=0, **({"load_bound": load_bound} if load_bound else {})),
                               name="cacheclip", route_prefix="/")
                 ingest = httpx.post(url + "/v1/ingest", json={"documents": chunks, "system": CLIENT_SYSTEM},
-                                    headers=headers, timeout=600)
+                                    headers=headers, timeout=3600)
                 assert ingest.status_code == 200, ingest.text
                 time.sleep(2.0)  # the front's index reads the texts
 
@@ -266,7 +280,7 @@ def router_rows(server: S3Server, requests_per_run: int, fast_share: float, work
                 per_replica: dict[str, int] = {}  # replicas that got nothing count too (spread: null)
                 for name, _ in results:
                     per_replica[name] = per_replica.get(name, 0) + 1
-                rows.append({"part": "routers", "workload": workload, "router": router, "fast_share": fast_share,
+                rows.append({"part": "routers", "model": model, "workload": workload, "router": router, "fast_share": fast_share,
                              "requests": len(results),
                              "counted": len(counted), "memory_hit_rate": host_hits / max(1, entries),
                              "local_disk_rate": lmdb_hits / max(1, entries), "bucket_rate": s3_hits / max(1, entries),
@@ -318,6 +332,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=240)
     parser.add_argument("--workloads", default="independent,topical,topical-prefix")
     parser.add_argument("--routers", default="pow2,prefix,affinity")
+    parser.add_argument("--model", choices=("tiny", "default"), default="tiny",
+                        help="the replicas' model: the tiny test model, or the default (Qwen2.5-Coder-0.5B-Instruct)")
     parser.add_argument("--load-bound", type=float, default=None, help="the affinity router's load bound (default: its own)")
     parser.add_argument("--fast-share", type=float, default=1 / 3, help="a replica's memory tier: this share of the corpus")
     parser.add_argument("--repeats", type=int, default=7)
@@ -333,7 +349,7 @@ def main() -> int:
                 rows = ttft_rows(server, args.cases)
             else:
                 rows = router_rows(server, args.requests, args.fast_share, args.workloads.split(","), args.routers.split(","),
-                                   args.load_bound)
+                                   args.load_bound, args.model)
     finally:
         server.stop()
     for row in rows:
@@ -350,6 +366,8 @@ def main() -> int:
     out = Path(args.json)
     results = json.loads(out.read_text()) if out.exists() else {}
     name = f"routers_{args.fast_share:.3f}" if args.part == "routers" else f"cold_{args.part}"
+    if args.part == "routers" and args.model != "tiny":
+        name += f"_{args.model}"
     results[name] = {"date": datetime.date.today().isoformat(), "machine": _machine(), "rows": rows}
     out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
