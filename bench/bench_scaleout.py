@@ -377,7 +377,9 @@ def _machine() -> str:
     import os
     import platform
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), platform.processor() or platform.machine())
+    return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

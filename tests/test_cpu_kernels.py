@@ -151,7 +151,12 @@ def test_decode_steps_agree_with_kernels_on_and_off():
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
     assert pack_linears(model) == 2 * 7 + 1
-    assert all(m.gemv_address is not None for m in model.modules() if isinstance(m, PackedLinear))
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    # every linear of more than one 64-output block reads its weight in place; a single block (k_proj, v_proj
+    # here) oneDNN lays out otherwise at some thread counts (2 here, not 1), and the product check then leaves it
+    # to oneDNN: the steps below agree either way
+    assert all(m.gemv_address is not None for m in packed if m.out_features > 64)
+    assert all(m.out_features == 64 for m in packed if m.gemv_address is None)
     prompt = 70
     cache = BlendedCache.empty(2, 1, 2, prompt + 8, 32, dtype=torch.bfloat16, device="cpu")
     forward_at(model, cache, (torch.arange(prompt) % 97 + 3)[None], torch.arange(prompt)[None])

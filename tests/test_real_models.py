@@ -97,8 +97,9 @@ def test_bfloat16_keeps_the_invariants_within_its_rounding(tmp_path):
 
 @pytest.mark.skipif(not packing_available(), reason="this CPU lacks oneDNN's bf16 kernels (AVX-512 BW/VL/DQ)")
 def test_prepacked_linears_give_the_dense_models_logits_on_a_real_model():
-    """SmolLM2-135M in bf16 (tied head): the prepacked model's logits over a real prompt equal the dense
-    model's to bf16 rounding, and every greedy token is the same."""
+    """SmolLM2-135M in bf16 (tied head): the prepacked model is as close to float32's logits as the dense bf16
+    model is, and picks float32's greedy token as often. (Against each other the two bf16 models differ by up
+    to 3% of the largest logit on an AMX machine, where oneDNN sums in other orders: each is bf16's error.)"""
     import torch
 
     from cacheclip_rag.models.packed_linear import PackedLinear
@@ -106,8 +107,11 @@ def test_prepacked_linears_give_the_dense_models_logits_on_a_real_model():
     packed, dense = load_model("smollm2-135m", dtype="bfloat16"), load_model("smollm2-135m", dtype="bfloat16",
                                                                              prepack=False)
     assert isinstance(packed.model.lm_head, PackedLinear) and packed.fingerprint == dense.fingerprint
+    reference = load_model("smollm2-135m", dtype="float32")
     ids = torch.tensor([packed.encode(" ".join(demo_chunks()[:3]))])
     with torch.inference_mode():
         a, b = packed.model(ids).logits[0].float(), dense.model(ids).logits[0].float()
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert (a - b).abs().max() <= 0.02 * b.abs().max()
+        f = reference.model(ids).logits[0].float()
+    assert (a - f).abs().max() <= 1.25 * (b - f).abs().max() and (a - f).abs().mean() <= 1.25 * (b - f).abs().mean()
+    agree = lambda x: float((x.argmax(-1) == f.argmax(-1)).float().mean())  # noqa: E731
+    assert agree(a) >= agree(b) - 0.01 and agree(a) >= 0.95
