@@ -41,7 +41,8 @@ def main() -> int:
         twin.set(ylabel="TTFT (ms)", ylim=(0, 1.35 * max(r["p95_ttft_s"] for r in rows) * 1e3))
         share = rows[0]["fast_share"]
         ax.set(ylabel="share of recognised chunks", ylim=(0, 1.35),
-               title=f"4 replicas, memory tier {share:.3g} of the corpus")
+               title=f"4 replicas of the {'default' if rows[0].get('model') == 'default' else 'tiny'} model, "
+                     f"{rows[0]['requests']} requests a run\nmemory tier {share:.3g} of the corpus")
         ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=45, ha="right")
         ax.legend(fontsize=7, loc="upper left")
         twin.legend(fontsize=7, loc="upper right")
