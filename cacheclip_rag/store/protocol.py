@@ -119,3 +119,35 @@ def decode_received(store: KVStore, tier: str, keys: Sequence[bytes], raws: Sequ
             found.append(None)
     record_read(tier, found, time.perf_counter() - started)
     return found
+
+
+class ReceivedEntries:
+    """`get`, `get_many`, `read_into` and `put` of a store whose entries arrive as bytes (Redis, S3): each one
+    verified on arrival (`decode_received`). A store gives `TIER` (its name in `timings.store`), `_raw_many`
+    (each key's bytes, None for a miss), `put_many` and `quarantine`."""
+
+    TIER = ""
+
+    def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _decoded(self, keys: list[bytes], fingerprint: str, use) -> list:
+        started = time.perf_counter()
+        return decode_received(self, self.TIER, keys, self._raw_many(keys), fingerprint, use, started)
+
+    def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
+        return self.get_many([key], fingerprint, device)[0]
+
+    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
+        """Entries for `keys` as new tensors, each verified as it arrives."""
+        return self._decoded(keys, fingerprint, lambda i, view: view.decode(device))
+
+    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
+        """Entries decoded from the received bytes straight into `slots` (see `LMDBStore.read_into`)."""
+        return self._decoded(keys, fingerprint, into_slots(slots))
+
+    def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
+        self.put_many([(key, fingerprint, entry)])
+
+    def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
+        raise NotImplementedError

@@ -17,16 +17,13 @@ Needs `pip install 'cacheclip-rag[redis]'`.
 from __future__ import annotations
 
 import json
-import time
 import logging
 import secrets
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from .entry import ChunkEntry, encode_entry
 from .errors import CorruptEntryError, StoreError, StoreFullError, StoreUnavailableError
-from .protocol import Slot, decode_received, into_slots
+from .protocol import ReceivedEntries
 from .redis_owners import RedisOwners
 from .tiered_store import TieredStore  # noqa: F401 - the tier over Redis, importable from here
 
@@ -78,8 +75,10 @@ def _redis():
     return redis
 
 
-class RedisStore(RedisOwners):
+class RedisStore(ReceivedEntries, RedisOwners):
     """`KVStore` on a Redis server. Thread-safe (redis-py's connection pool)."""
+
+    TIER = "redis"
 
     def __init__(self, url: str, namespace: str = "cacheclip", part_bytes: int = 32 << 20, timeout_s: float = 5.0):
         redis = _redis()
@@ -150,9 +149,6 @@ class RedisStore(RedisOwners):
         self._drop_partial(key, raw, manifest)
         return False
 
-    def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
-        return self.get_many([key], fingerprint, device)[0]
-
     def _drop_partial(self, key: bytes, raw: bytes, manifest: dict) -> None:
         """An entry some of whose parts the server evicted: its manifest goes (unless rewritten since),
         and its remaining parts with it, so it is recomputed and not read as a miss forever."""
@@ -196,21 +192,6 @@ class RedisStore(RedisOwners):
                         raw = None
             found.append(raw)
         return found
-
-    def _decoded(self, keys: list[bytes], fingerprint: str, use) -> list:
-        started = time.perf_counter()
-        return decode_received(self, "redis", keys, self._raw_many(keys), fingerprint, use, started)
-
-    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
-        """Entries for `keys` as new tensors, each verified as it arrives."""
-        return self._decoded(keys, fingerprint, lambda i, view: view.decode(device))
-
-    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
-        """Entries decoded from the received bytes straight into `slots` (see `LMDBStore.read_into`)."""
-        return self._decoded(keys, fingerprint, into_slots(slots))
-
-    def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
-        self.put_many([(key, fingerprint, entry)])
 
     def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
         """Each entry appears whole or not at all: parts first, then the readable key. The parts of the

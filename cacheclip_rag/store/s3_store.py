@@ -27,16 +27,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 from ..config import is_s3_url
 from .entry import ChunkEntry, encode_entry
 from .errors import StoreError, StoreUnavailableError
-from .protocol import Slot, decode_received, into_slots
+from .protocol import ReceivedEntries
 from .texts import live, text_digest, tombstone
 
 log = logging.getLogger(__name__)
@@ -54,8 +51,10 @@ def _obstore():
     return obstore, Client
 
 
-class S3Store:
+class S3Store(ReceivedEntries):
     """`KVStore` entries and texts on an S3-compatible bucket. Thread-safe (obstore's client)."""
+
+    TIER = "s3"
 
     def __init__(self, url: str, *, endpoint: str | None = None, timeout_s: float = 5.0, connect_timeout_s: float = 1.0,
                  retries: int = 2, **config: str):
@@ -127,23 +126,9 @@ class S3Store:
     def contains(self, key: bytes) -> bool:
         return self._call(self._obs.head, self._entry(key)) is not None
 
-    def _decoded(self, keys: list[bytes], fingerprint: str, use) -> list:
-        started = time.perf_counter()
-        raws = list(self._pool.map(self._read, [self._entry(k) for k in keys]))
-        return decode_received(self, "s3", keys, raws, fingerprint, use, started)
-
-    def get(self, key: bytes, fingerprint: str, device: torch.device | str = "cpu") -> ChunkEntry | None:
-        return self.get_many([key], fingerprint, device)[0]
-
-    def get_many(self, keys: list[bytes], fingerprint: str, device: torch.device | str = "cpu") -> list[ChunkEntry | None]:
-        """Entries for `keys`, fetched concurrently, each verified (checksum, values) as it arrives."""
-        return self._decoded(keys, fingerprint, lambda i, view: view.decode(device))
-
-    def read_into(self, keys: list[bytes], fingerprint: str, slots: Sequence[Slot]) -> list[ChunkEntry | None]:
-        return self._decoded(keys, fingerprint, into_slots(slots))
-
-    def put(self, key: bytes, fingerprint: str, entry: ChunkEntry) -> None:
-        self.put_many([(key, fingerprint, entry)])
+    def _raw_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Each entry's object, fetched concurrently; None for a miss."""
+        return list(self._pool.map(self._read, [self._entry(k) for k in keys]))
 
     def put_many(self, items: list[tuple[bytes, str, ChunkEntry]]) -> None:
         """Each entry one object, written concurrently; an object already there is kept (the first writer
