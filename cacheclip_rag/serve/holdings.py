@@ -95,6 +95,13 @@ def score(chunks: Sequence[tuple[bytes, int]], summary: bytes | None, extra: set
                if digest in extra or (summary is not None and len(summary) == BITS // 8 and holds(summary, digest)))
 
 
+def within_queue(replicas: Sequence[Hashable], queues: Mapping[Hashable, int | None], imbalance: int) -> list[Hashable]:
+    """The replicas at most `imbalance` queued requests behind the shortest known queue (an unknown one counts)."""
+    known = [q for q in (queues.get(r) for r in replicas) if q is not None]
+    shortest = min(known) if known else 0
+    return [r for r in replicas if queues.get(r) is None or queues[r] - shortest <= imbalance]
+
+
 def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes | None],
          queues: Mapping[Hashable, int | None], imbalance: int = 4,
          recent: Mapping[Hashable, set[bytes]] | None = None,
@@ -112,21 +119,17 @@ def rank(chunks: Sequence[tuple[bytes, int]], summaries: Mapping[Hashable, bytes
     replicas = list(summaries)
     if not replicas:
         return []
-    known = [q for q in (queues.get(r) for r in replicas) if q is not None]
-    shortest = min(known) if known else 0
-    total = sum((shares or {}).values())
+    shares, recent = shares or {}, recent or {}
+    total = sum(shares.values())
     mean = max(total, window) / len(replicas)
     cap = bound * mean + 1
-    balanced = [r for r in replicas if (queues.get(r) is None or queues[r] - shortest <= imbalance)
-                and (shares or {}).get(r, 0) <= cap]
-    if not balanced:
-        balanced = replicas
+    balanced = [r for r in within_queue(replicas, queues, imbalance) if shares.get(r, 0) <= cap] or replicas
     overloaded = [r for r in replicas if r not in balanced]
-    scores = {r: score(chunks, summaries[r], (recent or {}).get(r, set())) for r in balanced}
+    scores = {r: score(chunks, summaries[r], recent.get(r, set())) for r in balanced}
     best = max(scores.values(), default=0)
     if best == 0:
         return [balanced] + ([overloaded] if overloaded else [])
     floor = mean / bound - 1 if total >= window else -1
-    top = [r for r in balanced if scores[r] == best or (shares or {}).get(r, 0) < floor]  # shuffle ties before
+    top = [r for r in balanced if scores[r] == best or shares.get(r, 0) < floor]  # shuffle ties before
     rest = sorted((r for r in balanced if r not in top), key=lambda r: -scores[r])
     return [top] + ([rest] if rest else []) + ([overloaded] if overloaded else [])

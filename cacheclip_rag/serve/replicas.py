@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 import random
 import time
 from collections import Counter, OrderedDict, deque
@@ -34,7 +35,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ..engine.core import Engine, recognizer_over
 from ..store.namespaced import SHARED
 from .app import ServerSettings, create_app
-from .holdings import HeldChunks, rank
+from .holdings import HeldChunks, rank, within_queue
 from .keys import OPERATOR, Tenant
 from .tenants import salted
 
@@ -213,8 +214,9 @@ class Front:
                               body, (request.client.host, request.client.port) if request.client else None,
                               await asyncio.to_thread(self.recogniser.chunks, tenant, parsed, prompt), prompt)
         if request.url.path.startswith(("/v1/ingest", "/v1/documents")):
-            forwarded.chunks += self.recogniser.owner_marker(tenant)
-            forwarded.pins = [name for name, _ in self.recogniser.owner_marker(tenant)]
+            marker = self.recogniser.owner_marker(tenant)
+            forwarded.chunks += marker
+            forwarded.pins = [name for name, _ in marker]
         for attempt in range(3):  # a replica that died before answering: another one (nothing was sent yet)
             answer = self.replicas.remote(forwarded)
             try:
@@ -270,7 +272,8 @@ class ChunkAffinityRouter(_Remembering):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        chunks = _forwarded(pending_request).chunks if _forwarded(pending_request) else []
+        forwarded = _forwarded(pending_request)
+        chunks = forwarded.chunks if forwarded else []
         by_id = {r.replica_id: r for r in candidate_replicas}
         self.replicas = max(1, len(by_id))
         summaries = {i: (r.routing_stats or {}).get("held") for i, r in by_id.items()}
@@ -329,12 +332,12 @@ class PrefixAffinityRouter(_Remembering):
         forwarded = _forwarded(pending_request)
         prompt = forwarded.prompt if forwarded else ""
         queues = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas}
-        known = [q for q in queues.values() if q is not None]
-        shortest = min(known) if known else 0
-        balanced = [r for r in candidate_replicas if queues[r.replica_id] is None or queues[r.replica_id] - shortest <= self.imbalance]
+        within = set(within_queue(list(queues), queues, self.imbalance))
+        balanced = [r for r in candidate_replicas if r.replica_id in within]
         best, chosen = 0, []
         for r in balanced:
-            length = max((_common(prompt, p) for p in self.prompts.get(r.replica_id, ())), default=0)
+            length = max((len(os.path.commonprefix((prompt, p))) for p in self.prompts.get(r.replica_id, ())),
+                         default=0)
             if length > best:
                 best, chosen = length, [r]
             elif length == best and length:
@@ -366,14 +369,6 @@ def _forwarded(pending_request: PendingRequest | None) -> Forwarded | None:
     if isinstance(getattr(arg, "chunks", None), list) and isinstance(getattr(arg, "prompt", None), str):
         return arg
     return None
-
-
-def _common(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
