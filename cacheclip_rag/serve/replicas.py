@@ -213,6 +213,7 @@ class Front:
         forwarded = Forwarded(request.method, request.url.path, request.url.query.encode(), list(request.headers.raw),
                               body, (request.client.host, request.client.port) if request.client else None,
                               await asyncio.to_thread(self.recogniser.chunks, tenant, parsed, prompt), prompt)
+        marker: list[tuple[bytes, int]] = []
         if request.url.path.startswith(("/v1/ingest", "/v1/documents")):
             marker = self.recogniser.owner_marker(tenant)
             forwarded.chunks += marker
@@ -228,6 +229,11 @@ class Front:
                     return JSONResponse({"error": {"message": "no replica could answer; try again",
                                                    "type": "server_error", "code": "replica_unavailable"}}, 503)
                 log.warning("a replica failed before answering (%s); sending the request to another", err)
+
+        if marker and head["status"] < 300:  # ingested or deleted: the texts are in the shared tier now, and the
+            # client's next request must be recognised (the index re-reads only every `refresh_s`: a request sent
+            # within it was routed blind, to any replica)
+            await asyncio.to_thread(self.recogniser.index.refresh, True)
 
         async def rest() -> AsyncIterator[bytes]:
             async for part in answer:
