@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from cacheclip_rag.config import EngineConfig  # noqa: E402
 from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, case, strict_score  # noqa: E402
 from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
+from cacheclip_rag.object_server import free_port  # noqa: E402
 from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # noqa: E402
 
 LANGCHAIN_RAG = ChatPromptTemplate.from_messages([
@@ -44,12 +44,6 @@ LANGCHAIN_RAG = ChatPromptTemplate.from_messages([
     ("human", "{question}")])
 VARIANTS = {"full": {"method": "full"}, "default": {}, "before": {"min_recompute_tokens": 0}}
 MAX_TOKENS = 40
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def streamed(create, **request) -> tuple[str, float, dict]:

@@ -1,5 +1,6 @@
-"""A real S3 server on loopback for tests and benchmarks: moto's standalone server (`moto[server]`), a separate
-process speaking the S3 HTTP API, started and stopped like `redis-server` in the Redis tests."""
+"""Servers on loopback for tests and benchmarks: `free_port`, and a real S3 server, moto's standalone server
+(`moto[server]`), a separate process speaking the S3 HTTP API, started and stopped like `redis-server` in the
+Redis tests."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server a test or benchmark starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

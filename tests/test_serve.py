@@ -8,7 +8,6 @@ prefill; a client that disconnects frees its slot; a full queue gives 429; a wro
 import asyncio
 import contextlib
 import re
-import socket
 import threading
 import time
 
@@ -28,18 +27,13 @@ from cacheclip_rag.serve import ServerSettings, create_app, uvicorn_config  # no
 from cacheclip_rag.engine.planning import plan_layout  # noqa: E402
 from cacheclip_rag.serve.layouts import render_chat  # noqa: E402
 from cacheclip_rag.engine.scheduler import Job  # noqa: E402
+from cacheclip_rag.object_server import free_port  # noqa: E402
 from cacheclip_rag.store import LMDBStore  # noqa: E402
 from cacheclip_rag.testing import tiny_model  # noqa: E402
 from tests.conftest import CHUNKS  # noqa: E402
 
 QUESTION = "what is the special magic number?"
 KEY = "sk-test-" + "x" * 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
