@@ -10,6 +10,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from dataclasses import replace
 
 import torch
@@ -64,7 +65,7 @@ class TieredStore:
         """Queued entries from the local tier to the shared one, a batch at a time, until one fails."""
         while self.unshared:
             with self._lock:
-                taken = list(self.unshared.items())[:batch]
+                taken = list(islice(self.unshared.items(), batch))  # not a copy of the whole queue a batch
             by_print: dict[str, list[bytes]] = {}
             for key, fingerprint in taken:
                 by_print.setdefault(fingerprint, []).append(key)
