@@ -5,7 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from cacheclip_rag.evaluation.stats import bootstrap_ci, paired_bootstrap_ci, sign_test, wilson_interval
+from cacheclip_rag.evaluation.stats import (
+    bootstrap_ci,
+    median_ci,
+    paired_bootstrap_ci,
+    ratio_of_medians,
+    sign_test,
+    wilson_interval,
+)
 
 
 def test_wilson_interval_matches_the_formula():
@@ -41,3 +48,24 @@ def test_pairing_removes_between_sample_variance():
     assert paired.high - paired.low < unpaired_width / 10
     with pytest.raises(ValueError, match="paired"):
         paired_bootstrap_ci([1, 2], [1])
+
+
+def test_median_ci_holds_the_median_and_narrows_with_n():
+    rng = np.random.default_rng(3)
+    small, large = rng.exponential(1.0, 24), rng.exponential(1.0, 2400)
+    a, b = median_ci(small), median_ci(large)
+    assert a.mean == pytest.approx(float(np.median(small))) and a.low <= a.mean <= a.high and a.n == 24
+    assert b.high - b.low < (a.high - a.low) / 3
+    assert b.low < np.log(2) < b.high  # the exponential's median
+
+
+def test_ratio_of_medians_pairs_requests_and_refuses_mismatches():
+    times = np.linspace(1.0, 3.0, 30)
+    same = ratio_of_medians(0.5 * times, times)
+    assert same.mean == pytest.approx(0.5) and same.low == pytest.approx(0.5) and same.high == pytest.approx(0.5)
+    noisy = ratio_of_medians(times[::-1] * np.random.default_rng(1).uniform(0.2, 0.4, 30), times)
+    assert noisy.low < noisy.mean < noisy.high and noisy.high < 1.0
+    with pytest.raises(ValueError, match="same non-zero number"):
+        ratio_of_medians([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        ratio_of_medians([1.0], [0.0])

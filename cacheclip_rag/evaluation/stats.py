@@ -8,6 +8,8 @@ and a difference between methods is claimed only when its paired interval exclud
 - `wilson_interval`: Wilson score interval of a proportion (scores in [0, 1] averaged over samples).
 - `ratio_of_means`: mean(a) / mean(b) over paired samples with a paired bootstrap interval (retention, a KL
   share of another method's).
+- `median_ci`, `ratio_of_medians`: the same for medians (a p50 time to first token; one engine's p50 over
+  another's on the same requests).
 """
 
 from __future__ import annotations
@@ -86,3 +88,32 @@ def ratio_of_means(pairs: Sequence[tuple[float, float]], resamples: int = 10_000
     ratios = sa[ok] / sb[ok]
     return {"mean": float(a.mean() / b.mean()), "low": float(np.quantile(ratios, 0.025)),
             "high": float(np.quantile(ratios, 0.975)), "n": int(len(a))}
+
+
+def median_ci(values: Sequence[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0) -> Estimate:
+    """The median with its percentile bootstrap interval."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("no values")
+    rng = np.random.default_rng(seed)
+    medians = np.median(x[rng.integers(0, x.size, size=(resamples, x.size))], axis=1)
+    tail = (1 - level) / 2
+    return Estimate(float(np.median(x)), float(np.quantile(medians, tail)), float(np.quantile(medians, 1 - tail)),
+                    int(x.size))
+
+
+def ratio_of_medians(a: Sequence[float], b: Sequence[float], level: float = 0.95, resamples: int = 10_000,
+                     seed: int = 0) -> Estimate:
+    """median(a) / median(b) over the same requests (a[i] and b[i] answer request i), with a paired bootstrap
+    interval: the requests are resampled, each keeping both its times."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if x.size != y.size or x.size == 0:
+        raise ValueError(f"need the same non-zero number of times: {x.size} and {y.size}")
+    if np.median(y) <= 0:
+        raise ValueError("the reference median must be positive")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, x.size, size=(resamples, x.size))
+    ratios = np.median(x[idx], axis=1) / np.maximum(np.median(y[idx], axis=1), 1e-300)
+    tail = (1 - level) / 2
+    return Estimate(float(np.median(x) / np.median(y)), float(np.quantile(ratios, tail)),
+                    float(np.quantile(ratios, 1 - tail)), int(x.size))
