@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -406,8 +407,10 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
               "keys and values need dense rows of the query's width");
   const int64_t G = H / KV, P = D / 2, NT = (N + 15) / 16, NP = NT * 8;
   const int64_t QR = std::max<int64_t>(1, std::min<int64_t>(QB, 32 / G));  // query rows a work item: <= 32 combos
-  // transposed keys and paired values, per KV head (padded to whole 16-key tiles with zeros)
-  std::vector<uint32_t> kt(KV * NT * P * 16, 0), vp(KV * NP * (D / 16) * 16, 0);
+  // transposed keys and paired values, per KV head (padded to whole 16-key tiles with zeros). Every element is
+  // written below (the padding as zeros), so the buffers are not zero-filled first; the values are paired by
+  // 16-lane widening, not element by element (the pack is ~1/3 of the time of 32 query rows over 4K keys)
+  std::unique_ptr<uint32_t[]> kt(new uint32_t[KV * NT * P * 16]), vp(new uint32_t[KV * NP * (D / 16) * 16]);
   const uint16_t* kp = (const uint16_t*)key.data_ptr();
   const uint16_t* vsrc = (const uint16_t*)value.data_ptr();
   at::parallel_for(0, KV * NT, 1, [&](int64_t b0, int64_t b1) {
@@ -425,12 +428,15 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
       // values: keys tile*16 .. +16 -> 8 pairs; pair u holds for chunk c: [v[2u][c*16+x], v[2u+1][c*16+x]] x
       for (int64_t u = tile * 8; u < tile * 8 + 8; ++u) {
         const int64_t ra = 2 * u, rb = 2 * u + 1;
-        for (int64_t c = 0; c < D / 16; ++c)
-          for (int x = 0; x < 16; ++x) {
-            const uint16_t va = ra < N ? vsrc[h * value.stride(0) + ra * D + c * 16 + x] : 0;
-            const uint16_t vb = rb < N ? vsrc[h * value.stride(0) + rb * D + c * 16 + x] : 0;
-            vp[((h * NP + u) * (D / 16) + c) * 16 + x] = (uint32_t)va | ((uint32_t)vb << 16);
-          }
+        const uint16_t* a = vsrc + h * value.stride(0) + ra * D;
+        const uint16_t* bb = vsrc + h * value.stride(0) + rb * D;
+        for (int64_t c = 0; c < D / 16; ++c) {
+          const __m512i lo = ra < N ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + c * 16)))
+                                    : _mm512_setzero_si512();
+          const __m512i hi = rb < N ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bb + c * 16)))
+                                    : _mm512_setzero_si512();
+          _mm512_storeu_si512(&vp[((h * NP + u) * (D / 16) + c) * 16], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
       }
     }
   });
@@ -458,8 +464,8 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
           qpos[combo] = std::min<int64_t>(pos[i0 + i], N - 1);
           outs[combo] = op + ((i0 + i) * H + h * G + g) * D;
         }
-      const uint32_t* keys_t = kt.data() + h * NT * P * 16;
-      const uint32_t* values_p = vp.data() + h * NP * (D / 16) * 16;
+      const uint32_t* keys_t = kt.get() + h * NT * P * 16;
+      const uint32_t* values_p = vp.get() + h * NP * (D / 16) * 16;
       if (D == 64) attend_block<4>(qrows.data(), qpos, (int)(G * rn), keys_t, values_p, N, (float)scaling, outs);
       else if (D == 128) attend_block<8>(qrows.data(), qpos, (int)(G * rn), keys_t, values_p, N, (float)scaling, outs);
       else attend_block<2>(qrows.data(), qpos, (int)(G * rn), keys_t, values_p, N, (float)scaling, outs);
