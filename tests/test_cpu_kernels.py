@@ -272,6 +272,49 @@ def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch)
         assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()
 
 
+@needs_kernels
+def test_a_batch_of_prefills_takes_the_kernel_per_request_and_equals_each_alone(monkeypatch):
+    """`forward_rows` over two prefills and a recompute of scattered rows (a bf16 Qwen2, head width 32): each
+    request's segment of several rows goes to the kernel at its own positions over its own cache (a single-row
+    segment does not), and every request's logits and cache equal `forward_at` run on it alone, to bf16
+    rounding of the batched products."""
+    from cacheclip_rag.stages.decode.batching import RowsRequest, forward_rows
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(5, 250, (90,), generator=g)
+    loaded = BlendedCache.empty(2, 1, 2, 96, 32, dtype=torch.bfloat16, device="cpu")
+    forward_at(model, loaded, prompt[None], torch.arange(90)[None])
+    scattered = torch.cat([torch.randperm(80, generator=g)[:20].sort().values, torch.arange(80, 90)])
+
+    def requests() -> list[RowsRequest]:
+        return [RowsRequest(BlendedCache.empty(2, 1, 2, 70, 32, dtype=torch.bfloat16, device="cpu"),
+                            torch.randint(5, 250, (70,), generator=torch.Generator().manual_seed(4)), torch.arange(70)),
+                RowsRequest(loaded.copy(), prompt[scattered], scattered),
+                RowsRequest(BlendedCache.empty(2, 1, 2, 33, 32, dtype=torch.bfloat16, device="cpu"),
+                            torch.randint(5, 250, (33,), generator=torch.Generator().manual_seed(5)), torch.arange(33)),
+                RowsRequest(loaded.copy(), prompt[89:90], torch.tensor([89]))]
+
+    calls = []
+    real = cpu_kernels.positioned_attention
+    monkeypatch.setattr(cpu_kernels, "positioned_attention",
+                        lambda *a: calls.append((a[1].tolist(), a[2].shape[2])) or real(*a))
+    batch = requests()
+    got = forward_rows(model, batch)
+    per_layer = [(list(range(70)), 70), (scattered.tolist(), 90), (list(range(33)), 33)]  # keys: each cache's own
+    assert calls == per_layer * 2  # both layers; the one-row segment kept its own path
+    alone = requests()
+    calls.clear()
+    for r, logits in zip(alone, got):
+        want = forward_at(model, r.cache, r.input_ids[None], r.positions[None])[0, -1].float()
+        assert (logits.float() - want).abs().max() <= 0.03 * want.abs().max()
+    for r, s in zip(batch, alone):
+        assert (r.cache.key_buffer.float() - s.cache.key_buffer.float()).abs().max() <= 0.03 * s.cache.key_buffer.float().abs().max()
+
+
 # ---- inputs the kernels must refuse, or handle, without crashing or hanging (issue 70) -------------------------
 
 

@@ -199,12 +199,22 @@ def chunk_scaled_attention(query, key, value, mask, *, scaling, softcap, chunks:
     return _attend(torch.softmax(scores, dim=-1), value, query.shape[1])
 
 
-def ragged_attention(module, query, keys, values, *, batch: RaggedBatch, scaling, softcap, **kwargs) -> torch.Tensor:
-    """query [1, H, sum T, D] (the requests' rows packed), keys/values one [1, KV, N_b, D] per request
-    -> [1, sum T, H, D]: each request's segment attends over its own cache."""
-    outs = [dense_attention(module, query[:, :, start:stop], keys[b], values[b], batch.mask(b, module.layer_idx),
-                            scaling=scaling, softcap=softcap, **kwargs)
-            for b, (start, stop) in enumerate(batch.segments)]
+def ragged_attention(module, query, keys, values, *, batch: RaggedBatch, positions: torch.Tensor, scaling, softcap,
+                     **kwargs) -> torch.Tensor:
+    """query [1, H, sum T, D] (the requests' rows packed) at `positions` [sum T], keys/values one [1, KV, N_b, D]
+    per request -> [1, sum T, H, D]: each request's segment attends over its own cache. A segment of several
+    rows goes to `cpu_kernels.positioned_attention` where it applies: each request's mask is by these
+    positions (`batching.forward_rows`), which the kernel reads itself (a batch of prefills ran sdpa with a
+    [T, N] mask per request before)."""
+    by_position = softcap is None and kwargs.get("sliding_window") is None
+    outs = []
+    for b, (start, stop) in enumerate(batch.segments):
+        rows = query[:, :, start:stop]
+        if by_position and stop - start > 1 and cpu_kernels.positioned_applies(rows, keys[b], values[b]):
+            outs.append(cpu_kernels.positioned_attention(rows, positions[start:stop], keys[b], values[b], scaling))
+        else:
+            outs.append(dense_attention(module, rows, keys[b], values[b], batch.mask(b, module.layer_idx),
+                                        scaling=scaling, softcap=softcap, **kwargs))
     return torch.cat(outs, dim=1)
 
 
@@ -221,8 +231,8 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
     softcap = kwargs.get("softcap")
     if context is not None:
         if context.ragged is not None:
-            return ragged_attention(module, query, key, value, batch=context.ragged, scaling=scaling, softcap=softcap,
-                                    **kwargs), None
+            return ragged_attention(module, query, key, value, batch=context.ragged, positions=context.query_positions[0],
+                                    scaling=scaling, softcap=softcap, **kwargs), None
         probe = context.probes.get(module.layer_idx)
         if probe is not None:
             out, probs = _eager_with_weights(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap)
