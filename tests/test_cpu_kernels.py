@@ -252,6 +252,7 @@ def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch)
     calls = []
     real = cpu_kernels.positioned_attention
     monkeypatch.setattr(cpu_kernels, "positioned_attention", lambda *a: calls.append(a[1].numel()) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "torch_causal_is_faster", lambda: False)  # the kernel's path, on any CPU
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = BlendedCache.empty(2, 1, 2, 160, 32, dtype=torch.bfloat16, device="cpu")
@@ -313,6 +314,31 @@ def test_a_batch_of_prefills_takes_the_kernel_per_request_and_equals_each_alone(
         assert (logits.float() - want).abs().max() <= 0.03 * want.abs().max()
     for r, s in zip(batch, alone):
         assert (r.cache.key_buffer.float() - s.cache.key_buffer.float()).abs().max() <= 0.03 * s.cache.key_buffer.float().abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("amx", [True, False])
+def test_a_causal_prefill_keeps_torch_flash_path_on_amx_and_scattered_rows_keep_the_kernel(monkeypatch, amx):
+    """Where AMX tiles run torch's flash attention faster (`torch_causal_is_faster`), a causal prefill does not
+    call the kernel; recompute rows at scattered positions still do. Without AMX both call it."""
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(5, 250, (1, 96), generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([3, 17, 40, 41, 42, 90, 95])
+    calls = []
+    real = cpu_kernels.positioned_attention
+    monkeypatch.setattr(cpu_kernels, "positioned_attention", lambda *a: calls.append(a[1].numel()) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "torch_causal_is_faster", lambda: amx)
+    cache = BlendedCache.empty(2, 1, 2, 96, 32, dtype=torch.bfloat16, device="cpu")
+    forward_at(model, cache, ids, torch.arange(96)[None])
+    forward_at(model, cache, ids[:, rows], rows[None])
+    assert calls == ([7, 7] if amx else [96, 96, 7, 7])
+
+
+def test_the_amx_probe_reads_torch():
+    assert cpu_kernels.torch_causal_is_faster() == bool(torch.cpu._is_amx_tile_supported())
 
 
 # ---- inputs the kernels must refuse, or handle, without crashing or hanging (issue 70) -------------------------

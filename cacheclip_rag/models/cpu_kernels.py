@@ -184,6 +184,15 @@ def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(1, 1, heads, dim)
 
 
+def torch_causal_is_faster() -> bool:
+    """Whether a causal prefill should keep torch's flash attention: on CPUs with AMX tiles its block products
+    run on AMX, 2.7-3.2x this kernel's `vdpbf16ps` at 2K-4K rows (Qwen2.5-0.5B's heads; an Intel Xeon, 2
+    cores: 17 against 47 ms a layer at 2K, 57 against 184 at 4K, bench/RESULTS.md, issue 70). Scattered
+    recompute rows keep the kernel: it needs no [rows, keys] mask and ran within 1.0-1.2x of sdpa there."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
 def positioned_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether `positioned_attention` takes these: rows over a bf16 cache (`_over_a_bf16_cache`), at most 32
     query heads a KV head."""

@@ -173,13 +173,15 @@ def one_row_attention(query, key, value, mask, *, scaling, softcap) -> torch.Ten
 
 def dense_attention(module, query, key, value, mask, *, scaling, softcap, **kwargs) -> torch.Tensor:
     """[B, Tq, H, D] by the fastest exact path for the shape: one CPU query row by `one_row_attention`, a
-    bf16 causal prefill on the CPU by `cpu_kernels.positioned_attention` where it is built, a softcap eagerly
-    (sdpa has none), everything else by sdpa (its causal path when `mask` is None)."""
+    bf16 causal prefill on the CPU by `cpu_kernels.positioned_attention` where it is built (not on CPUs with
+    AMX, where torch's flash path is faster: `torch_causal_is_faster`), a softcap eagerly (sdpa has none),
+    everything else by sdpa (its causal path when `mask` is None)."""
     if query.shape[2] == 1 and query.device.type == "cpu":
         return one_row_attention(query, key, value, mask, scaling=scaling, softcap=softcap)
     rows, keys = query.shape[2], key.shape[2]
     if (mask is None and softcap is None and rows == keys and getattr(module, "is_causal", True)
-            and kwargs.get("sliding_window") is None and cpu_kernels.positioned_applies(query, key, value)):
+            and kwargs.get("sliding_window") is None and cpu_kernels.positioned_applies(query, key, value)
+            and not cpu_kernels.torch_causal_is_faster()):
         # sdpa's causal path (no mask, as many keys as rows) by the CPU kernel: row t sees keys 0..t
         return cpu_kernels.positioned_attention(query, torch.arange(rows), key, value, scaling)
     if softcap is not None:
