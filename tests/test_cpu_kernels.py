@@ -252,7 +252,7 @@ def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch)
     calls = []
     real = cpu_kernels.positioned_attention
     monkeypatch.setattr(cpu_kernels, "positioned_attention", lambda *a: calls.append(a[1].numel()) or real(*a))
-    monkeypatch.setattr(cpu_kernels, "torch_causal_is_faster", lambda: False)  # the kernel's path, on any CPU
+    monkeypatch.setattr(cpu_kernels, "torch_attention_is_faster", lambda: False)  # the kernel's path, on any CPU
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cache = BlendedCache.empty(2, 1, 2, 160, 32, dtype=torch.bfloat16, device="cpu")
@@ -303,6 +303,7 @@ def test_a_batch_of_prefills_takes_the_kernel_per_request_and_equals_each_alone(
     real = cpu_kernels.positioned_attention
     monkeypatch.setattr(cpu_kernels, "positioned_attention",
                         lambda *a: calls.append((a[1].tolist(), a[2].shape[2])) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "torch_attention_is_faster", lambda: False)  # the kernel's path, on any CPU
     batch = requests()
     got = forward_rows(model, batch)
     per_layer = [(list(range(70)), 70), (scattered.tolist(), 90), (list(range(33)), 33)]  # keys: each cache's own
@@ -318,9 +319,10 @@ def test_a_batch_of_prefills_takes_the_kernel_per_request_and_equals_each_alone(
 
 @needs_kernels
 @pytest.mark.parametrize("amx", [True, False])
-def test_a_causal_prefill_keeps_torch_flash_path_on_amx_and_scattered_rows_keep_the_kernel(monkeypatch, amx):
-    """Where AMX tiles run torch's flash attention faster (`torch_causal_is_faster`), a causal prefill does not
-    call the kernel; recompute rows at scattered positions still do. Without AMX both call it."""
+def test_prefill_and_recompute_rows_keep_torch_attention_on_amx(monkeypatch, amx):
+    """Where AMX tiles run torch's attention faster (`torch_attention_is_faster`), neither a causal prefill nor
+    recompute rows at scattered positions call the kernel, and the logits are torch's; without AMX both call
+    it."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -330,15 +332,28 @@ def test_a_causal_prefill_keeps_torch_flash_path_on_amx_and_scattered_rows_keep_
     calls = []
     real = cpu_kernels.positioned_attention
     monkeypatch.setattr(cpu_kernels, "positioned_attention", lambda *a: calls.append(a[1].numel()) or real(*a))
-    monkeypatch.setattr(cpu_kernels, "torch_causal_is_faster", lambda: amx)
-    cache = BlendedCache.empty(2, 1, 2, 96, 32, dtype=torch.bfloat16, device="cpu")
-    forward_at(model, cache, ids, torch.arange(96)[None])
-    forward_at(model, cache, ids[:, rows], rows[None])
-    assert calls == ([7, 7] if amx else [96, 96, 7, 7])
+    monkeypatch.setattr(cpu_kernels, "torch_attention_is_faster", lambda: amx)
+
+    def run() -> torch.Tensor:
+        cache = BlendedCache.empty(2, 1, 2, 96, 32, dtype=torch.bfloat16, device="cpu")
+        forward_at(model, cache, ids, torch.arange(96)[None])
+        return forward_at(model, cache, ids[:, rows], rows[None])[0, -1].float()
+
+    logits = run()
+    assert calls == ([] if amx else [96, 96, 7, 7])
+    cpu_kernels.set_enabled(False)
+    try:
+        plain = run()
+    finally:
+        cpu_kernels.set_enabled(True)
+    if amx:
+        assert torch.equal(logits, plain)  # torch's paths exactly
+    else:
+        assert (logits - plain).abs().max() <= 0.05 * plain.abs().max()
 
 
 def test_the_amx_probe_reads_torch():
-    assert cpu_kernels.torch_causal_is_faster() == bool(torch.cpu._is_amx_tile_supported())
+    assert cpu_kernels.torch_attention_is_faster() == bool(torch.cpu._is_amx_tile_supported())
 
 
 # ---- inputs the kernels must refuse, or handle, without crashing or hanging (issue 70) -------------------------

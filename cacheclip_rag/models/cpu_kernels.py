@@ -184,11 +184,12 @@ def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(1, 1, heads, dim)
 
 
-def torch_causal_is_faster() -> bool:
-    """Whether a causal prefill should keep torch's flash attention: on CPUs with AMX tiles its block products
-    run on AMX, 2.7-3.2x this kernel's `vdpbf16ps` at 2K-4K rows (Qwen2.5-0.5B's heads; an Intel Xeon, 2
-    cores: 17 against 47 ms a layer at 2K, 57 against 184 at 4K, bench/RESULTS.md, issue 70). Scattered
-    recompute rows keep the kernel: it needs no [rows, keys] mask and ran within 1.0-1.2x of sdpa there."""
+def torch_attention_is_faster() -> bool:
+    """Whether rows of a prefill or a recompute should keep torch's attention (its flash path, or sdpa by blocks
+    of rows under the position mask): on CPUs with AMX tiles its block products run on AMX. On an Intel Xeon
+    (2 cores, Qwen2.5-0.5B's heads) a causal layer took 17 against this kernel's 47 ms at 2K rows, 57 against
+    184 at 4K; CacheClip's recompute forward 0.53 against 0.63 s at ~2K, 1.30 against 1.74 s at ~4K
+    (bench/RESULTS.md, issue 70). One decode row keeps `one_row_attention` everywhere."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
 
