@@ -25,6 +25,7 @@ once, and every caller keeps its torch path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -184,12 +185,13 @@ def one_row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(1, 1, heads, dim)
 
 
+@functools.cache
 def torch_attention_is_faster() -> bool:
     """Whether rows of a prefill or a recompute should keep torch's attention (its flash path, or sdpa by blocks
     of rows under the position mask): on CPUs with AMX tiles its block products run on AMX. On an Intel Xeon
     (2 cores, Qwen2.5-0.5B's heads) a causal layer took 17 against this kernel's 47 ms at 2K rows, 57 against
-    184 at 4K; CacheClip's recompute forward 0.53 against 0.63 s at ~2K, 1.30 against 1.74 s at ~4K
-    (bench/RESULTS.md, issue 70). One decode row keeps `one_row_attention` everywhere."""
+    184 at 4K; the whole `full` prefill 1.71 against 2.64 s at ~2K, CacheClip's recompute forward 0.47 against
+    0.58 s (bench/bench_attention_path.py, issue 70). One decode row keeps `one_row_attention` everywhere."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe is not None and probe())
 

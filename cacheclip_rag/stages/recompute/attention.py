@@ -205,9 +205,8 @@ def ragged_attention(module, query, keys, values, *, batch: RaggedBatch, positio
                      **kwargs) -> torch.Tensor:
     """query [1, H, sum T, D] (the requests' rows packed) at `positions` [sum T], keys/values one [1, KV, N_b, D]
     per request -> [1, sum T, H, D]: each request's segment attends over its own cache. A segment of several
-    rows goes to `cpu_kernels.positioned_attention` where it applies: each request's mask is by these
-    positions (`batching.forward_rows`), which the kernel reads itself (a batch of prefills ran sdpa with a
-    [T, N] mask per request before)."""
+    rows goes to `cpu_kernels.positioned_attention` where it applies and torch's path is not faster (AMX):
+    each request's mask is by these positions (`batching.forward_rows`), which the kernel reads itself."""
     by_position = softcap is None and kwargs.get("sliding_window") is None
     outs = []
     for b, (start, stop) in enumerate(batch.segments):
