@@ -39,14 +39,15 @@ def right(question: str, answer: str) -> bool:
     return QUESTIONS[question][1].lower() in answer.lower()
 
 
-def with_section(picks: list[int], section: int, pool: int, rng: random.Random) -> list[int]:
+def with_section(picks: list[int], section: int, pool: int, rng: random.Random,
+                 spare: list[int] | None = None) -> list[int]:
     """`picks` holding a record of `section`: unchanged where one does, else the most popular record of it
-    (the lowest index) in place of a random pick."""
+    (the lowest index) in place of a random pick (one of the positions `spare`, default any)."""
     if any(i % SECTIONS == section for i in picks):
         return picks
-    record = next(i for i in range(section, pool, SECTIONS) if i not in picks)
     out = list(picks)
-    out[rng.randrange(len(out))] = record
+    out[rng.choice(spare if spare is not None else range(len(out)))] = next(
+        i for i in range(section, pool, SECTIONS) if i not in picks)
     return out
 
 
@@ -78,11 +79,9 @@ def repeated_lists(prompt: str, pool: int) -> list[list[int]]:
     for _ in range(REPEATED_LISTS):
         picks = zipf_pick(rng, pool, PROMPTS[prompt])
         for section in needed:
-            if any(i % SECTIONS == section for i in picks):
-                continue
-            # replace a pick that no question needs, or one of two records of the same section
+            # in place of a pick that no question needs, or one of two records of the same section
             spare = [k for k, i in enumerate(picks)
                      if i % SECTIONS not in needed or sum(j % SECTIONS == i % SECTIONS for j in picks) > 1]
-            picks[rng.choice(spare)] = next(i for i in range(section, pool, SECTIONS) if i not in picks)
+            picks = with_section(picks, section, pool, rng, spare)
         lists.append(picks)
     return lists

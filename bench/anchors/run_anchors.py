@@ -46,7 +46,6 @@ import atexit
 import datetime
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
