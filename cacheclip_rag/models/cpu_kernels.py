@@ -202,6 +202,12 @@ def positioned_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return (_over_a_bf16_cache(query, key, value) and query.shape[1] // key.shape[1] <= 32 and enabled())
 
 
+def positioned_used(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the engine sends these rows to `positioned_attention`: it takes them (`positioned_applies`) and
+    torch's attention is not the faster here (`torch_attention_is_faster`)."""
+    return positioned_applies(query, key, value) and not torch_attention_is_faster()
+
+
 def positioned_attention(query: torch.Tensor, positions: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          scaling: float) -> torch.Tensor:
     """query [1, H, T, D] at `positions` [T] over key/value [1, KV, N, D] -> [1, T, H, D]: row t attends to keys

@@ -180,8 +180,7 @@ def dense_attention(module, query, key, value, mask, *, scaling, softcap, **kwar
         return one_row_attention(query, key, value, mask, scaling=scaling, softcap=softcap)
     rows, keys = query.shape[2], key.shape[2]
     if (mask is None and softcap is None and rows == keys and getattr(module, "is_causal", True)
-            and kwargs.get("sliding_window") is None and cpu_kernels.positioned_applies(query, key, value)
-            and not cpu_kernels.torch_attention_is_faster()):
+            and kwargs.get("sliding_window") is None and cpu_kernels.positioned_used(query, key, value)):
         # sdpa's causal path (no mask, as many keys as rows) by the CPU kernel: row t sees keys 0..t
         return cpu_kernels.positioned_attention(query, torch.arange(rows), key, value, scaling)
     if softcap is not None:
@@ -211,8 +210,7 @@ def ragged_attention(module, query, keys, values, *, batch: RaggedBatch, positio
     outs = []
     for b, (start, stop) in enumerate(batch.segments):
         rows = query[:, :, start:stop]
-        if (by_position and stop - start > 1 and cpu_kernels.positioned_applies(rows, keys[b], values[b])
-                and not cpu_kernels.torch_attention_is_faster()):
+        if by_position and stop - start > 1 and cpu_kernels.positioned_used(rows, keys[b], values[b]):
             outs.append(cpu_kernels.positioned_attention(rows, positions[start:stop], keys[b], values[b], scaling))
         else:
             outs.append(dense_attention(module, rows, keys[b], values[b], batch.mask(b, module.layer_idx),
@@ -251,7 +249,7 @@ def cacheclip_attention(module, query, key, value, attention_mask, dropout=0.0, 
             return out, None
         if (context.masks_by_position and attention_mask is not None and softcap is None
                 and kwargs.get("sliding_window") is None and query.shape[2] == context.query_positions.shape[-1]
-                and cpu_kernels.positioned_applies(query, key, value) and not cpu_kernels.torch_attention_is_faster()):
+                and cpu_kernels.positioned_used(query, key, value)):
             # the default masks by position: each row sees keys 0..its position, which the kernel reads itself
             return cpu_kernels.positioned_attention(query, context.query_positions[0], key, value, scaling), None
         blocks = context.row_blocks
