@@ -97,6 +97,13 @@ def test_odd_width_keeps_onednn():
     assert PackedLinear(linear).gemv_address is None
 
 
+def small_bf16_qwen2() -> Qwen2ForCausalLM:
+    """A two-layer bf16 Qwen2 of head width 32 (4 query heads, 2 KV heads), random weights: the kernels' shapes."""
+    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
 def _reference(query, key, value, scaling):
     heads, kv_heads = query.shape[1], key.shape[1]
     k = key.double().repeat_interleave(heads // kv_heads, dim=1)
@@ -147,9 +154,7 @@ def test_decode_steps_agree_with_kernels_on_and_off():
     """A small Qwen2 (head width 32) in bf16, prepacked: decode steps over copies of one cache give logits
     equal to bf16 rounding with the kernels and without, and both kernels ran."""
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = small_bf16_qwen2()
     assert pack_linears(model) == 2 * 7 + 1
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     # every linear of more than one 64-output block reads its weight in place; a single block (k_proj, v_proj
@@ -243,9 +248,7 @@ def test_prefill_and_recompute_take_the_kernel_and_agree_with_torch(monkeypatch)
     from cacheclip_rag.stages.recompute import attention
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = small_bf16_qwen2()
     monkeypatch.setattr(blocked_module, "PACKED_ROWS_PER_BLOCK", 24)  # blocks for 40 rows of 2 heads a group
     ids = torch.randint(5, 250, (1, 160), generator=torch.Generator().manual_seed(1))
     rows = torch.randperm(160, generator=torch.Generator().manual_seed(2))[:40].sort().values
@@ -282,9 +285,7 @@ def test_a_batch_of_prefills_takes_the_kernel_per_request_and_equals_each_alone(
     from cacheclip_rag.stages.decode.batching import RowsRequest, forward_rows
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = small_bf16_qwen2()
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(5, 250, (90,), generator=g)
     loaded = BlendedCache.empty(2, 1, 2, 96, 32, dtype=torch.bfloat16, device="cpu")
@@ -309,7 +310,6 @@ def test_a_batch_of_prefills_takes_the_kernel_per_request_and_equals_each_alone(
     per_layer = [(list(range(70)), 70), (scattered.tolist(), 90), (list(range(33)), 33)]  # keys: each cache's own
     assert calls == per_layer * 2  # both layers; the one-row segment kept its own path
     alone = requests()
-    calls.clear()
     for r, logits in zip(alone, got):
         want = forward_at(model, r.cache, r.input_ids[None], r.positions[None])[0, -1].float()
         assert (logits.float() - want).abs().max() <= 0.03 * want.abs().max()
@@ -324,9 +324,7 @@ def test_prefill_and_recompute_rows_keep_torch_attention_on_amx(monkeypatch, amx
     recompute rows at scattered positions call the kernel, and the logits are torch's; without AMX both call
     it."""
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model = small_bf16_qwen2()
     ids = torch.randint(5, 250, (1, 96), generator=torch.Generator().manual_seed(1))
     rows = torch.tensor([3, 17, 40, 41, 42, 90, 95])
     calls = []
