@@ -22,16 +22,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from common import recompute_rows  # noqa: E402
 from cacheclip_rag.models import cpu_kernels  # noqa: E402
 from cacheclip_rag.models.loading import load_model  # noqa: E402
 from cacheclip_rag.stages.load.ingest import new_cache  # noqa: E402
 from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 
 PATHS = {"kernel": lambda: False, "torch": lambda: True}
-
-
-QUESTION_ROWS = 24
 
 
 def prefill_s(lm, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -61,9 +60,7 @@ def main() -> int:
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         ids = torch.randint(1000, 100_000, (1, length), generator=torch.Generator().manual_seed(length))
-        chunk_rows = length - QUESTION_ROWS
-        picked = torch.randperm(chunk_rows, generator=torch.Generator().manual_seed(1))[: int(0.2 * chunk_rows)]
-        rows_picked = torch.cat([picked.sort().values, torch.arange(chunk_rows, length)])
+        rows_picked = recompute_rows(length, torch.Generator().manual_seed(1))
         forwards = {"full prefill": lambda: prefill_s(lm, ids), "recompute rows": lambda: recompute_s(lm, ids, rows_picked)}
         for forward, run in forwards.items():
             times: dict[str, list[float]] = {name: [] for name in PATHS}

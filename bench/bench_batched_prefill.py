@@ -29,14 +29,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+from common import recompute_rows  # noqa: E402
 from cacheclip_rag.models.loading import LoadedModel, cpu_has_native_bf16, load_model  # noqa: E402
 from cacheclip_rag.stages.decode.batching import RowsRequest, forward_rows  # noqa: E402
 from cacheclip_rag.stages.load.ingest import new_cache  # noqa: E402
 from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
-
-QUESTION_ROWS = 24
-
 
 def workload(lm: LoadedModel, kind: str, length: int, count: int, seed: int) -> list[RowsRequest]:
     """`count` requests of `length` tokens: a whole prompt into an empty cache (`full`), or 0.2 of the chunk rows
@@ -51,9 +50,7 @@ def workload(lm: LoadedModel, kind: str, length: int, count: int, seed: int) -> 
             out.append(RowsRequest(cache, ids, torch.arange(length)))
             continue
         forward_at(lm.model, cache, ids[None], torch.arange(length)[None])  # the loaded caches' stand-in
-        chunk_rows = length - QUESTION_ROWS
-        picked = torch.randperm(chunk_rows, generator=g)[: int(0.2 * chunk_rows)].sort().values
-        rows = torch.cat([picked, torch.arange(chunk_rows, length)])
+        rows = recompute_rows(length, g)
         out.append(RowsRequest(cache, ids[rows], rows))
     return out
 

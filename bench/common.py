@@ -1,10 +1,13 @@
-"""Shared pieces of the benchmarks: prompts of a given size from the bundled handbook, medians."""
+"""Shared pieces of the benchmarks: prompts of a given size from the bundled handbook, medians, the rows a
+recompute forward runs."""
 
 from __future__ import annotations
 
 import statistics
 import tempfile
 from collections.abc import Callable
+
+import torch
 
 from cacheclip_rag.cli import demo_chunks
 from cacheclip_rag.config import EngineConfig
@@ -38,3 +41,14 @@ def engine_with(primary: LoadedModel, aux: LoadedModel | None) -> Engine:
 
 def median_of(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
+
+
+QUESTION_ROWS = 24
+
+
+def recompute_rows(length: int, generator: torch.Generator, ratio: float = 0.2) -> torch.Tensor:
+    """The rows CacheClip's recompute forward runs over a `length`-token prompt: `ratio` of the chunk rows at
+    scattered positions (sorted), then the question's last QUESTION_ROWS."""
+    chunk_rows = length - QUESTION_ROWS
+    picked = torch.randperm(chunk_rows, generator=generator)[: int(ratio * chunk_rows)].sort().values
+    return torch.cat([picked, torch.arange(chunk_rows, length)])

@@ -409,7 +409,8 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
   const int64_t QR = std::max<int64_t>(1, std::min<int64_t>(QB, 32 / G));  // query rows a work item: <= 32 combos
   // transposed keys and paired values, per KV head (padded to whole 16-key tiles with zeros). Every element is
   // written below (the padding as zeros), so the buffers are not zero-filled first; the values are paired by
-  // 16-lane widening, not element by element (the pack is ~1/3 of the time of 32 query rows over 4K keys)
+  // 16-lane widening, not element by element (before, the pack took 0.85 of the 3.7 ms of 32 query rows over
+  // 4K keys)
   std::unique_ptr<uint32_t[]> kt(new uint32_t[KV * NT * P * 16]), vp(new uint32_t[KV * NP * (D / 16) * 16]);
   const uint16_t* kp = (const uint16_t*)key.data_ptr();
   const uint16_t* vsrc = (const uint16_t*)value.data_ptr();
