@@ -85,7 +85,30 @@ def with_rows(engine: Engine, c: Case, plan, options: RequestOptions, extra) -> 
     stream = engine.decode(plan, prefill, options)
     text = "".join(stream)
     return {"output": text, "right": strict_score(text, c), "recomputed": int(positions.numel()),
-            "_logits": logits}
+            "_logits": logits, "_prefill": prefill, "_tokens": list(stream.token_ids)}
+
+
+SIGNAL_TOKENS = 6  # the answer tokens the sequence signals read (a decision after them costs that many steps)
+
+
+def answer_signals(engine: Engine, plan, base: dict, reuse: Prefill) -> dict:
+    """Model-read signals of the base 0.2 recompute, for the budget decision (issue 67 item 4): its first-token
+    confidence (top probability, margin to the second, entropy), whether reuse alone's first token is the
+    same, and over its first `SIGNAL_TOKENS` answer tokens its own mean log-probability, reuse alone's mean
+    log-probability of them and the mean KL(base || reuse) along them (teacher-forced)."""
+    log_p = torch.log_softmax(base["_logits"].double(), dim=-1)
+    top = log_p.exp().topk(2)
+    out = {"base_p1": float(top.values[0]), "base_margin": float(top.values[0] - top.values[1]),
+           "base_entropy": float(-(log_p.exp() * log_p).sum()),
+           "same_first": int(base["_logits"].argmax()) == int(reuse.logits.argmax())}
+    tokens = base["_tokens"][:SIGNAL_TOKENS]
+    if tokens:
+        own = torch.log_softmax(engine.teacher_forced_logits(plan, base["_prefill"], tokens).double(), dim=-1)
+        other = torch.log_softmax(engine.teacher_forced_logits(plan, reuse, tokens).double(), dim=-1)
+        index = torch.tensor(tokens)[:, None]
+        out |= {"base_logp": float(own.gather(1, index).mean()), "reuse_logp": float(other.gather(1, index).mean()),
+                "seq_kl": float((own.exp() * (own - other)).sum(-1).mean())}
+    return out
 
 
 CONDITIONS = ("base_0.2", "facts_whole", "attended_whole", "ratio_0.5")
@@ -121,9 +144,11 @@ def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) 
             rows[name] = with_rows(engine, c, plan, *runs[name])
         signals["attended"] = sorted(attended)
         if "base_0.2" in rows:
-            signals["reuse_vs_base_kl"] = first_token_kl(rows["base_0.2"].pop("_logits"), reuse.logits)
+            signals |= answer_signals(engine, plan, rows["base_0.2"], reuse)
+            signals["reuse_vs_base_kl"] = first_token_kl(rows["base_0.2"]["_logits"], reuse.logits)
         for name in conditions:
-            rows[name].pop("_logits", None)
+            for key in ("_logits", "_prefill", "_tokens"):
+                rows[name].pop(key, None)
     for row in rows.values():
         for key in ("_plan", "_prefill", "_tokens"):
             row.pop(key, None)
@@ -211,6 +236,44 @@ def signals(path: Path) -> list[dict]:
     return table
 
 
+# continuous signals of `answer_signals`, each oriented so that a larger value says "escalate"
+SCORES = {"KL(reuse, base) first token": lambda s: s["reuse_vs_base_kl"],
+          "1 - top probability": lambda s: 1 - s["base_p1"], "1 - margin": lambda s: 1 - s["base_margin"],
+          "entropy": lambda s: s["base_entropy"], "first token differs from reuse's": lambda s: float(not s["same_first"]),
+          "-mean log p (own answer)": lambda s: -s["base_logp"], "-mean log p under reuse": lambda s: -s["reuse_logp"],
+          "KL(base, reuse) along the answer": lambda s: s["seq_kl"]}
+
+
+def auc(positive: list[float], negative: list[float]) -> float:
+    """P(a positive scores above a negative), ties half (Mann-Whitney)."""
+    pairs = [(p > n) + 0.5 * (p == n) for p in positive for n in negative]
+    return sum(pairs) / len(pairs) if pairs else float("nan")
+
+
+def separation(path: Path) -> list[dict]:
+    """Per family and length, each continuous signal's AUC between the requests where ratio 0.5 wins an
+    answer the base 0.2 loses and the rest, and the share flagged among the rest at the threshold that flags
+    every such request (what catching them all would cost)."""
+    by: dict[tuple, list[dict]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "base_p1" in r["signals"] and "ratio_0.5" in r["rows"]:
+            by.setdefault((r["case"]["family"], r["length"], r.get("primary", EngineConfig().primary)), []).append(r)
+    table = []
+    for (family, length, primary), rs in sorted(by.items()):
+        helps = [r for r in rs if r["rows"]["full"]["right"] and r["rows"]["ratio_0.5"]["right"]
+                 and not r["rows"]["base_0.2"]["right"]]
+        rest = [r for r in rs if r not in helps]
+        for name, score in SCORES.items():
+            pos, neg = [score(r["signals"]) for r in helps], [score(r["signals"]) for r in rest]
+            row = {"family": family, "length": length, "primary": primary, "signal": name, "helped": len(pos),
+                   "rest": len(neg), "auc": round(auc(pos, neg), 3)}
+            if pos:
+                row["rest_flagged_catching_all"] = sum(n >= min(pos) for n in neg)
+            table.append(row)
+    return table
+
+
 def plot(table: list[dict], path: Path) -> None:
     """Strict retention of full's right answers per family (and primary), one bar per method, 95% intervals."""
     import matplotlib
@@ -275,8 +338,12 @@ def main() -> int:
         for row in found:
             print(f"{row['family']:8} {row['length']:5} {row['primary'][-4:]} {row['signal']:22} flags {row['flags_helped']}/{row['helped']} "
                   f"where 0.5 helps, {row['flags_rest']}/{row['rest']} elsewhere")
+        separated = separation(Path(args.report))
+        for row in separated:
+            print(f"{row['family']:8} {row['length']:5} {row['signal']:36} AUC {row['auc']:.2f} (helped {row['helped']}, "
+                  f"rest {row['rest']}; catching all flags {row.get('rest_flagged_catching_all', '-')} of the rest)")
         if args.json:
-            Path(args.json).write_text(json.dumps({"rows": table, "signals": found}, indent=1))
+            Path(args.json).write_text(json.dumps({"rows": table, "signals": found, "separation": separated}, indent=1))
         if args.plot:
             plot(table, Path(args.plot))
         if args.into:
