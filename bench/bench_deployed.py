@@ -250,6 +250,16 @@ def auc(positive: list[float], negative: list[float]) -> float:
     return sum(pairs) / len(pairs) if pairs else float("nan")
 
 
+def auc_interval(positive: list[float], negative: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% bootstrap interval of `auc`, each group resampled on its own."""
+    import random
+
+    rng = random.Random(seed)
+    found = sorted(auc(rng.choices(positive, k=len(positive)), rng.choices(negative, k=len(negative)))
+                   for _ in range(resamples))
+    return [round(found[int(0.025 * resamples)], 3), round(found[int(0.975 * resamples) - 1], 3)]
+
+
 def separation(path: Path) -> list[dict]:
     """Per family and length, each continuous signal's AUC between the requests where ratio 0.5 wins an
     answer the base 0.2 loses and the rest, and the share flagged among the rest at the threshold that flags
@@ -268,6 +278,8 @@ def separation(path: Path) -> list[dict]:
             pos, neg = [score(r["signals"]) for r in helps], [score(r["signals"]) for r in rest]
             row = {"family": family, "length": length, "primary": primary, "signal": name, "helped": len(pos),
                    "rest": len(neg), "auc": round(auc(pos, neg), 3)}
+            if pos and neg:
+                row["auc_95"] = auc_interval(pos, neg)
             if pos:
                 row["rest_flagged_catching_all"] = sum(n >= min(pos) for n in neg)
             table.append(row)
@@ -340,7 +352,7 @@ def main() -> int:
                   f"where 0.5 helps, {row['flags_rest']}/{row['rest']} elsewhere")
         separated = separation(Path(args.report))
         for row in separated:
-            print(f"{row['family']:8} {row['length']:5} {row['signal']:36} AUC {row['auc']:.2f} (helped {row['helped']}, "
+            print(f"{row['family']:8} {row['length']:5} {row['signal']:36} AUC {row['auc']:.2f} {row.get('auc_95')} (helped {row['helped']}, "
                   f"rest {row['rest']}; catching all flags {row.get('rest_flagged_catching_all', '-')} of the rest)")
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": table, "signals": found, "separation": separated}, indent=1))
