@@ -46,9 +46,10 @@ from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, Case, case, strict_score  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import first_token_kl, teacher_forced_fidelity  # noqa: E402
 from cacheclip_rag.evaluation.stats import paired_bootstrap_ci, ratio_of_means, wilson_interval  # noqa: E402
-from cacheclip_rag.stages.request import Prefill, Timings  # noqa: E402
-from cacheclip_rag.stages.select.selection import question_attention, question_scores  # noqa: E402
+from cacheclip_rag.stages.request import Prefill  # noqa: E402
+from cacheclip_rag.stages.select.selection import question_scores  # noqa: E402
 from cacheclip_rag.methods.spread import answer_spread  # noqa: E402
+from common import prefill_with_rows  # noqa: E402
 
 MAX_NEW = 40
 ATTENDED = 2.0  # a chunk is attended when its share of the question's attention is at least this x the mean
@@ -75,17 +76,11 @@ def measured(engine: Engine, c: Case, options: RequestOptions, full_tokens: list
 
 def with_rows(engine: Engine, c: Case, plan, options: RequestOptions, extra) -> dict:
     """The base selection at `options.ratio` over a fresh blended cache, plus `extra(plan, scores)` rows."""
-    parts = engine.parts
-    cache = blend.blended_cache(parts, plan, options, shared=True)
-    chosen = question_attention(parts, cache, plan, options)
-    rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
-    positions = blend.positions_of(plan, rows)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
-    prefill = Prefill(cache, logits, positions, Timings())
+    prefill = prefill_with_rows(engine, plan, options, extra)
     stream = engine.decode(plan, prefill, options)
     text = "".join(stream)
-    return {"output": text, "right": strict_score(text, c), "recomputed": int(positions.numel()),
-            "_logits": logits, "_prefill": prefill, "_tokens": list(stream.token_ids)}
+    return {"output": text, "right": strict_score(text, c), "recomputed": int(prefill.recomputed_positions.numel()),
+            "_logits": prefill.logits, "_prefill": prefill, "_tokens": list(stream.token_ids)}
 
 
 SIGNAL_TOKENS = 6  # the answer tokens the sequence signals read (a decision after them costs that many steps)

@@ -1,5 +1,5 @@
 """Shared pieces of the benchmarks: prompts of a given size from the bundled handbook, medians, the rows a
-recompute forward runs."""
+recompute forward runs, a prefill with chosen rows added to the default selection's."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from collections.abc import Callable
 import torch
 
 from cacheclip_rag.cli import demo_chunks
-from cacheclip_rag.config import EngineConfig
+from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.models.loading import LoadedModel
+from cacheclip_rag.stages.load import blend
+from cacheclip_rag.stages.request import Plan, Prefill, Timings
+from cacheclip_rag.stages.select.selection import question_attention
 from cacheclip_rag.store import LMDBStore
 
 QUESTIONS = (
@@ -52,3 +55,15 @@ def recompute_rows(length: int, generator: torch.Generator, ratio: float = 0.2) 
     chunk_rows = length - QUESTION_ROWS
     picked = torch.randperm(chunk_rows, generator=generator)[: int(ratio * chunk_rows)].sort().values
     return torch.cat([picked, torch.arange(chunk_rows, length)])
+
+
+def prefill_with_rows(engine: Engine, plan: Plan, options: RequestOptions, extra: list[torch.Tensor] | None) -> Prefill:
+    """The default selection at `options.ratio` over a fresh blended cache, plus `extra` rows (per chunk, bool):
+    the prefill the diagnosis conditions decode from."""
+    parts = engine.parts
+    cache = blend.blended_cache(parts, plan, options, shared=True)
+    chosen = question_attention(parts, cache, plan, options)
+    rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
+    positions = blend.positions_of(plan, rows)
+    logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
+    return Prefill(cache, logits, positions, Timings())

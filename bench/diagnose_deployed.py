@@ -44,9 +44,7 @@ from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
 from cacheclip_rag.methods.budget import budget  # noqa: E402
-from cacheclip_rag.stages.load import blend  # noqa: E402
-from cacheclip_rag.stages.request import Prefill, Timings  # noqa: E402
-from cacheclip_rag.stages.select.selection import question_attention  # noqa: E402
+from common import prefill_with_rows  # noqa: E402
 
 CONDITIONS = ("default", "heads_8", "heads_32", "first_whole", "values_whole", "ratio_0.7", "ratio_0.9")
 LATER = ("from_first_whole", "after_first_whole")  # --conditions: where the stale rows that lose the value are
@@ -58,13 +56,7 @@ def listed(text: str, references: tuple[str, ...]) -> list[str]:
 
 def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tensor] | None) -> str:
     """The default's selection at `options.ratio` over a fresh blended cache, plus `extra` rows; greedy answer."""
-    parts = engine.parts
-    cache = blend.blended_cache(parts, plan, options, shared=True)
-    chosen = question_attention(parts, cache, plan, options)
-    rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
-    positions = blend.positions_of(plan, rows)
-    logits = blend.recompute_and_answer(parts, cache, plan, positions, options=options)
-    return "".join(engine.decode(plan, Prefill(cache, logits, positions, Timings()), options))
+    return "".join(engine.decode(plan, prefill_with_rows(engine, plan, options, extra), options))
 
 
 def value_places(chunks: list[str], references: tuple[str, ...]) -> dict[str, list[int]]:
