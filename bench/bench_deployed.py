@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -141,11 +142,8 @@ def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) 
         if "base_0.2" in rows:
             signals |= answer_signals(engine, plan, rows["base_0.2"], reuse)
             signals["reuse_vs_base_kl"] = first_token_kl(rows["base_0.2"]["_logits"], reuse.logits)
-        for name in conditions:
-            for key in ("_logits", "_prefill", "_tokens"):
-                rows[name].pop(key, None)
     for row in rows.values():
-        for key in ("_plan", "_prefill", "_tokens"):
+        for key in ("_plan", "_prefill", "_tokens", "_logits"):
             row.pop(key, None)
     return {"case": asdict(c) | {"chunks": len(c.chunks)}, "prompt_tokens": plan.length, "rows": rows, "signals": signals}
 
@@ -247,8 +245,6 @@ def auc(positive: list[float], negative: list[float]) -> float:
 
 def auc_interval(positive: list[float], negative: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
     """A 95% bootstrap interval of `auc`, each group resampled on its own."""
-    import random
-
     rng = random.Random(seed)
     found = sorted(auc(rng.choices(positive, k=len(positive)), rng.choices(negative, k=len(negative)))
                    for _ in range(resamples))

@@ -17,7 +17,6 @@ The RULER runs hold the shipped default (`cacheclip_spread`) only on the samples
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -41,19 +40,9 @@ def records_of(folder: Path) -> list[Record]:
 
 def with_default(records: list[Record], spread: Path, from_ratio: float | None, tokenizer: str) -> list[Record]:
     """`records` with the shipped default's rows composed from them and the `spread` run (compose_default.py)."""
-    from compose_default import compose
-    from cacheclip_rag.evaluation import ruler
-    from cacheclip_rag.methods.spread import answer_spread
-    from cacheclip_rag.models.loading import load_model
+    from compose_default import compose, spread_flags
 
-    lm = load_model(tokenizer)
-    count = functools.lru_cache(maxsize=None)(lambda text: len(lm.encode(text)))
-
-    def flagged(task: str, length: int, seed: int) -> bool:
-        sample = ruler.generate(task, length, seed, count)
-        return answer_spread(sample.question, ruler.sample_chunks(sample, count)).spread
-
-    composed, _ = compose(records, records_of(spread), flagged, from_ratio)
+    composed, _ = compose(records, records_of(spread), spread_flags(tokenizer), from_ratio)
     return composed
 
 

@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,6 +60,22 @@ def compose(base: list, spread: list, flagged, from_ratio: float | None = None) 
     return out, counts
 
 
+def spread_flags(tokenizer: str) -> Callable[[str, int, int], bool]:
+    """Whether the spread budget flags RULER's sample (task, length, seed), its chunks sized by `tokenizer`'s
+    tokens (the primary's): the samples on which the default's request differs from the question selection's."""
+    from cacheclip_rag.models.loading import load_model
+
+    lm = load_model(tokenizer)
+    count = functools.lru_cache(maxsize=None)(lambda text: len(lm.encode(text)))
+
+    @functools.lru_cache(maxsize=None)
+    def flagged(task: str, length: int, seed: int) -> bool:
+        sample = ruler.generate(task, length, seed, count)
+        return answer_spread(sample.question, ruler.sample_chunks(sample, count)).spread
+
+    return flagged
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("base", type=Path, nargs="+", help="runs of one length with cacheclip_requery rows (merged)")
@@ -67,16 +84,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", default="qwen2.5-coder-0.5b", help="the primary whose tokens sized the chunks")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
-    from cacheclip_rag.models.loading import load_model
-
-    lm = load_model(args.tokenizer)
-    count = functools.lru_cache(maxsize=None)(lambda text: len(lm.encode(text)))
-
-    @functools.lru_cache(maxsize=None)
-    def flagged(task: str, length: int, seed: int) -> bool:
-        sample = ruler.generate(task, length, seed, count)
-        return answer_spread(sample.question, ruler.sample_chunks(sample, count)).spread
-
+    flagged = spread_flags(args.tokenizer)
     base = runner.merge_runs([(str(b), [r for rows in runner.load_records(b).values() for r in rows]) for b in args.base])
     spread = [r for rows in runner.load_records(args.spread).values() for r in rows]
     records, counts = compose(base, spread, flagged, args.from_ratio)

@@ -134,7 +134,7 @@ def report(paths: list[Path]) -> list[dict]:
                 continue
             kept = sum(len(r["listed"][name]) == len(r["references"]) for r in have)
             e = wilson_interval(kept, len(have))
-            entry["conditions"][name] = {"kept": kept, "of": len(have), "share": e and [round(e.mean, 3), round(e.low, 3), round(e.high, 3)]}
+            entry["conditions"][name] = {"kept": kept, "of": len(have), "share": [round(e.mean, 3), round(e.low, 3), round(e.high, 3)]}
         lost = [r for r in solved if len(r["listed"]["default"]) < len(r["references"])]
         entry["default_lost"] = len(lost)
         entry["lost_the_earliest_value"] = sum(
