@@ -13,7 +13,15 @@ fires) plus extra rows:
 - `values_whole`: every row of each chunk holding an answer value;
 - `ratio_R`: the same selection at a larger ratio (how much budget the loss needs);
 - `from_first_whole` / `after_first_whole`: every row of every chunk from / after the one holding the earliest
-  value (is the loss in the stale chunks that follow it?).
+  value (is the loss in the stale chunks that follow it?);
+- `deviation_R`: R of the chunk rows more, those whose layer-1 values move most when layers 0-1 are recomputed
+  (CacheBlend's signal, a practical pick of the stale rows);
+- `true_dev_R`: R of the chunk rows more, those whose values differ most from full prefill's over all layers
+  (each layer's difference over its mean row norm): the oracle of which stale rows matter;
+- `cacheblend_same`: CacheBlend alone at the default's ratio (the peer's pick at the same budget).
+
+Every sample also records the question's attention mass on each chunk (`chunk_mass`, the default selection's
+scores summed per chunk), so a budget read from the model can be tested against which chunks hold values.
 
 Per sample: which answer values each condition lists and which chunk holds each value. Resumable JSON lines.
 
@@ -44,10 +52,14 @@ from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
 from cacheclip_rag.methods.budget import budget  # noqa: E402
+from cacheclip_rag.methods.prefills import PREFILLS  # noqa: E402
+from cacheclip_rag.stages.load import blend  # noqa: E402
+from cacheclip_rag.stages.select.selection import question_scores, to_budget, value_deviation  # noqa: E402
 from common import prefill_with_rows  # noqa: E402
 
 CONDITIONS = ("default", "heads_8", "heads_32", "first_whole", "values_whole", "ratio_0.7", "ratio_0.9")
 LATER = ("from_first_whole", "after_first_whole")  # --conditions: where the stale rows that lose the value are
+STALE = ("deviation_0.2", "true_dev_0.2", "cacheblend_same")  # --conditions: can a pick of the stale rows do it?
 
 
 def listed(text: str, references: tuple[str, ...]) -> list[str]:
@@ -62,6 +74,37 @@ def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tens
 def value_places(chunks: list[str], references: tuple[str, ...]) -> dict[str, list[int]]:
     """Where each value first is: [chunk, character in it] (chunks overlap, so a value can be in two)."""
     return {v: next([i, c.index(v)] for i, c in enumerate(chunks) if v in c) for v in references}
+
+
+def per_chunk(plan, scores: torch.Tensor) -> list[torch.Tensor]:
+    return [scores[a:b] for a, b in plan.chunk_rows()]
+
+
+def chunk_mass(engine: Engine, plan, options: RequestOptions) -> list[float]:
+    """The question's attention mass on each chunk over the reused cache (the default selection's scores)."""
+    scores = question_scores(engine.parts, blend.blended_cache(engine.parts, plan, options, shared=True), plan, options)
+    return [round(float(s.sum()), 5) for s in per_chunk(plan, scores)]
+
+
+def deviation_rows(engine: Engine, plan, options: RequestOptions, ratio: float) -> list[torch.Tensor]:
+    """CacheBlend's pick at `ratio`: the rows whose layer-1 values move most (over a cache of their own)."""
+    cache = blend.blended_cache(engine.parts, plan, options, shared=True)
+    return list(value_deviation(engine.parts, cache, plan, replace(options, ratio=ratio)).rows)
+
+
+def true_deviation_rows(engine: Engine, plan, options: RequestOptions, ratio: float) -> list[torch.Tensor]:
+    """The rows whose values differ most from full prefill's, summed over layers (each layer's row
+    difference over its mean row norm), top `ratio` of the chunk rows, chunk 0 (exact) never."""
+    full = PREFILLS["full"](engine.parts, plan, options).cache
+    reused = blend.blended_cache(engine.parts, plan, options, shared=True)
+    a, b = plan.prefix_len, plan.question_start
+    score = torch.zeros(b - a)
+    for exact, stale in zip(full.layers, reused.layers):
+        truth = exact.values[0, :, a:b].float()
+        score += (truth - stale.values[0, :, a:b].float()).norm(dim=-1).sum(0) / truth.norm(dim=-1).sum(0).mean()
+    scores = per_chunk(plan, score)
+    scores[0] = torch.full_like(scores[0], float("-inf"))
+    return to_budget(engine.parts, options, scores, ratio, grouped=False)
 
 
 def evaluate(engine: Engine, sample: ruler.Sample, count, conditions: tuple[str, ...] = CONDITIONS[1:]) -> dict:
@@ -83,10 +126,18 @@ def evaluate(engine: Engine, sample: ruler.Sample, count, conditions: tuple[str,
     runs = {"heads_8": (ran, heads(8)), "heads_32": (ran, heads(32)), "first_whole": (ran, whole(lambda i: i == first)),
             "values_whole": (ran, whole(lambda i: i in set(where.values()))),
             "ratio_0.7": (replace(ran, ratio=0.7), None), "ratio_0.9": (replace(ran, ratio=0.9), None),
-            "from_first_whole": (ran, whole(lambda i: i >= first)), "after_first_whole": (ran, whole(lambda i: i > first))}
-    outputs = {"full": full, "default": default.text} | {name: answer(engine, plan, *runs[name]) for name in conditions}
+            "from_first_whole": (ran, whole(lambda i: i >= first)), "after_first_whole": (ran, whole(lambda i: i > first)),
+            "deviation_0.2": (ran, lambda: deviation_rows(engine, plan, ran, 0.2)),
+            "true_dev_0.2": (ran, lambda: true_deviation_rows(engine, plan, ran, 0.2))}
+    outputs = {"full": full, "default": default.text}
+    for name in conditions:
+        if name == "cacheblend_same":
+            outputs[name] = engine.generate(sample.question, chunks, replace(ran, method="cacheblend")).text
+        else:
+            at, extra = runs[name]
+            outputs[name] = answer(engine, plan, at, extra() if callable(extra) else extra)
     return {"task": sample.task, "length": sample.target_tokens, "seed": sample.seed, "references": sample.references,
-            "value_places": places, "chunks": len(chunks), "ratio": ran.ratio,
+            "value_places": places, "chunks": len(chunks), "ratio": ran.ratio, "chunk_mass": chunk_mass(engine, plan, ran),
             "outputs": outputs, "listed": {k: listed(v, sample.references) for k, v in outputs.items()}}
 
 
@@ -98,7 +149,8 @@ def run(args: argparse.Namespace) -> None:
         count = functools.lru_cache(maxsize=None)(lambda text: len(engine.primary.encode(text)))
         todo = [(t, s) for t in args.tasks.split(",") for s in range(args.samples) if (t, args.length, s) not in done]
         for task, seed in tqdm(todo, desc="deployed diagnosis"):
-            row = evaluate(engine, ruler.generate(task, args.length, seed, count), count, tuple(args.conditions.split(",")))
+            conditions = tuple(c for c in args.conditions.split(",") if c)
+            row = evaluate(engine, ruler.generate(task, args.length, seed, count), count, conditions)
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
@@ -128,7 +180,7 @@ def report(paths: list[Path]) -> list[dict]:
         mine = [r for r in rows if r["task"] == task]
         solved = [r for r in mine if len(r["listed"]["full"]) == len(r["references"])]
         entry = {"task": task, "samples": len(mine), "full_complete": len(solved), "conditions": {}}
-        for name in (*CONDITIONS, *LATER):
+        for name in (*CONDITIONS, *LATER, *STALE):
             have = [r for r in solved if name in r["listed"]]
             if not have:
                 continue
@@ -148,7 +200,7 @@ def main() -> int:
     parser.add_argument("--tasks", default="multivalue")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=13)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS[1:]), help=f"of {', '.join(CONDITIONS[1:] + LATER)}")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS[1:]), help=f"of {', '.join(CONDITIONS[1:] + LATER + STALE)} (none: '')")
     parser.add_argument("--out", default="bench/results/deployed_diagnosis.jsonl")
     parser.add_argument("--report", nargs="+", type=Path, help="rows of runs over the same samples")
     parser.add_argument("--json")
