@@ -3,8 +3,8 @@ engine's default system prompt and asked through the chat template (`Engine.plan
 path `Engine.generate`, the server and the frameworks take), on the default primary with the shipped
 request defaults. Per case:
 
-- `full` (the reference) and the default (`RequestOptions()`: cacheclip, ratio 0.2, the spread budget, the
-  short-prompt floor): greedy answer (strict score: every value, no other), time to first token, the ratio
+- `full` (the reference) and the default (`RequestOptions()`: cacheclip, ratio 0.2, the short-prompt floor;
+  until this issue's end the spread budget too, so the rows of runs before it hold that): greedy answer (strict score: every value, no other), time to first token, the ratio
   it ran at, teacher-forced KL to `full` along full's answer;
 - `before`: the default without the short-prompt floor (`min_recompute_tokens=0`), the default before this
   issue (short family only: elsewhere the floor is below 0.2 of the chunk tokens and the two are the same);
@@ -12,7 +12,8 @@ request defaults. Per case:
 - diagnosis conditions over a fresh blended cache, each the base selection at 0.2 plus extra rows:
   `facts_whole` (every row of the chunks holding the answer: knows where the facts are, not a method),
   `attended_whole` (every row of each chunk whose share of the question's attention over the reused cache is
-  at least twice the mean), `ratio_0.5` (the base selection at 0.5);
+  at least twice the mean), `ratio_0.5` (the base selection at 0.5); or `spread_0.5`, the default before the
+  spread budget left it, measured as the default is (answer, TTFT, ratio), right after it;
 - signals: per chunk, the question's attention share over the reused cache (the default's own scoring pass),
   the lexical spread flag, and the first-token KL between reuse alone and the base 0.2 recompute.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import tempfile
@@ -137,7 +139,10 @@ def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) 
         runs = {"base_0.2": (base, None), "facts_whole": (base, whole(set(c.fact_chunks))),
                 "attended_whole": (base, whole(attended)), "ratio_0.5": (replace(base, ratio=0.5), None)}
         for name in conditions:
-            rows[name] = with_rows(engine, c, plan, *runs[name])
+            if name == "spread_0.5":  # the default before issue 67 (the lexical spread budget on), timed as served
+                rows[name] = measured(engine, c, replace(default, spread_ratio=0.5), full_tokens, full_rows)
+            else:
+                rows[name] = with_rows(engine, c, plan, *runs[name])
         signals["attended"] = sorted(attended)
         if "base_0.2" in rows:
             signals |= answer_signals(engine, plan, rows["base_0.2"], reuse)
@@ -198,6 +203,9 @@ def report(path: Path) -> list[dict]:
                 row["ttft_minus_full_s"] = _ci(paired_bootstrap_ci([r["rows"][m]["ttft_s"] for r in rs],
                                                                    [r["rows"]["full"]["ttft_s"] for r in rs]))
                 row["escalated"] = sum((r["rows"][m]["ratio"] or 0) > 0.2 + 1e-9 for r in rs) / len(rs)
+                if m != "default":
+                    row["ttft_minus_default_s"] = _ci(paired_bootstrap_ci([r["rows"][m]["ttft_s"] for r in rs],
+                                                                          [r["rows"]["default"]["ttft_s"] for r in rs]))
             if m != "default" and solved:
                 d = paired_bootstrap_ci([float(r["rows"][m]["right"]) for r in solved],
                                         [float(r["rows"]["default"]["right"]) for r in solved])
@@ -234,7 +242,21 @@ SCORES = {"KL(reuse, base) first token": lambda s: s["reuse_vs_base_kl"],
           "1 - top probability": lambda s: 1 - s["base_p1"], "1 - margin": lambda s: 1 - s["base_margin"],
           "entropy": lambda s: s["base_entropy"], "first token differs from reuse's": lambda s: float(not s["same_first"]),
           "-mean log p (own answer)": lambda s: -s["base_logp"], "-mean log p under reuse": lambda s: -s["reuse_logp"],
-          "KL(base, reuse) along the answer": lambda s: s["seq_kl"]}
+          "KL(base, reuse) along the answer": lambda s: s["seq_kl"],
+          "chunk mass: 1 - top chunk's share": lambda s: 1 - mass_shape(s["shares"])[0],
+          "chunk mass: second chunk / top chunk": lambda s: mass_shape(s["shares"])[1] / mass_shape(s["shares"])[0],
+          "chunk mass: entropy": lambda s: entropy(mass_shape(s["shares"]))}
+
+
+def mass_shape(shares: list[float]) -> list[float]:
+    """The question's attention mass per reused chunk (chunk 0, exact, left out), as shares, largest first."""
+    rest = shares[1:]
+    return sorted((v / sum(rest) for v in rest), reverse=True)
+
+
+def entropy(shares: list[float]) -> float:
+    """Normalised entropy of `shares`: 1 when the mass is even over the chunks, 0 when one chunk holds it."""
+    return -sum(v * math.log(v) for v in shares if v > 0) / math.log(len(shares)) if len(shares) > 1 else 0.0
 
 
 def auc(positive: list[float], negative: list[float]) -> float:
@@ -251,6 +273,14 @@ def auc_interval(positive: list[float], negative: list[float], resamples: int = 
     return [round(found[int(0.025 * resamples)], 3), round(found[int(0.975 * resamples) - 1], 3)]
 
 
+def readable(score, signals: dict) -> bool:
+    try:
+        score(signals)
+    except KeyError:
+        return False
+    return True
+
+
 def separation(path: Path) -> list[dict]:
     """Per family and length, each continuous signal's AUC between the requests where ratio 0.5 wins an
     answer the base 0.2 loses and the rest, and the share flagged among the rest at the threshold that flags
@@ -258,7 +288,7 @@ def separation(path: Path) -> list[dict]:
     by: dict[tuple, list[dict]] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if "base_p1" in r["signals"] and "ratio_0.5" in r["rows"]:
+        if "base_0.2" in r["rows"] and "ratio_0.5" in r["rows"]:
             by.setdefault((r["case"]["family"], r["length"], r.get("primary", EngineConfig().primary)), []).append(r)
     table = []
     for (family, length, primary), rs in sorted(by.items()):
@@ -266,6 +296,8 @@ def separation(path: Path) -> list[dict]:
                  and not r["rows"]["base_0.2"]["right"]]
         rest = [r for r in rs if r not in helps]
         for name, score in SCORES.items():
+            if not all(readable(score, r["signals"]) for r in rs):  # a run that did not record this signal
+                continue
             pos, neg = [score(r["signals"]) for r in helps], [score(r["signals"]) for r in rest]
             row = {"family": family, "length": length, "primary": primary, "signal": name, "helped": len(pos),
                    "rest": len(neg), "auc": round(auc(pos, neg), 3)}
@@ -318,7 +350,7 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=2048, choices=(0, *WORDS_FOR))
     parser.add_argument("--cases", type=int, default=52)
     parser.add_argument("--primary", default=EngineConfig().primary)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first)")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first), or spread_0.5: the default before issue 67, timed beside the default")
     parser.add_argument("--out", default="bench/results/deployed.jsonl")
     parser.add_argument("--report")
     parser.add_argument("--json")

@@ -13,6 +13,7 @@ from cacheclip_rag.cli import demo_chunks
 from cacheclip_rag.config import EngineConfig, RequestOptions
 from cacheclip_rag.engine.core import Engine
 from cacheclip_rag.models.loading import LoadedModel
+from cacheclip_rag.stages.cache import BlendedCache
 from cacheclip_rag.stages.load import blend
 from cacheclip_rag.stages.request import Plan, Prefill, Timings
 from cacheclip_rag.stages.select.selection import question_attention
@@ -57,11 +58,14 @@ def recompute_rows(length: int, generator: torch.Generator, ratio: float = 0.2) 
     return torch.cat([picked, torch.arange(chunk_rows, length)])
 
 
-def prefill_with_rows(engine: Engine, plan: Plan, options: RequestOptions, extra: list[torch.Tensor] | None) -> Prefill:
+def prefill_with_rows(engine: Engine, plan: Plan, options: RequestOptions, extra: list[torch.Tensor] | None,
+                      before: Callable[[BlendedCache], None] | None = None) -> Prefill:
     """The default selection at `options.ratio` over a fresh blended cache, plus `extra` rows (per chunk, bool):
-    the prefill the diagnosis conditions decode from."""
+    the prefill the diagnosis conditions decode from. `before` changes the loaded cache first."""
     parts = engine.parts
     cache = blend.blended_cache(parts, plan, options, shared=True)
+    if before is not None:
+        before(cache)
     chosen = question_attention(parts, cache, plan, options)
     rows = list(chosen.rows) if extra is None else [a | b for a, b in zip(chosen.rows, extra)]
     positions = blend.positions_of(plan, rows)

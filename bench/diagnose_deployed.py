@@ -3,9 +3,9 @@
 `bench/compare_formats.py` found the default keeping 0.96 of full's strict answers at 2K in RULER's layout and
 0.79 in the deployed one; in `multivalue` it lists every value in 2 of full's 9 (12 of 13 in RULER's), and
 where it fails it drops the value that comes first in the context. Each sample runs, in the deployed format
-(the engine's chat template, chunks ingested behind its generic system prompt), `full` and the default, then
-over a fresh blended cache the default's own selection at the ratio it ran at (the spread budget's, where it
-fires) plus extra rows:
+(the engine's chat template, chunks ingested behind its generic system prompt), `full` and the default of
+when the diagnosis began (the question's selection with the spread budget at 0.5, `SPREAD`, so that every
+file stands on one base), then over a fresh blended cache that selection at the ratio it ran at plus extra rows:
 
 - `heads_K`: each reused chunk's first K tokens (each chunk's cache was computed as the first thing after the
   system prompt: does its start still read as the start of the user's message?);
@@ -18,7 +18,10 @@ fires) plus extra rows:
   (CacheBlend's signal, a practical pick of the stale rows);
 - `true_dev_R`: R of the chunk rows more, those whose values differ most from full prefill's over all layers
   (each layer's difference over its mean row norm): the oracle of which stale rows matter;
-- `cacheblend_same`: CacheBlend alone at the default's ratio (the peer's pick at the same budget).
+- `cacheblend_same`: CacheBlend alone at the default's ratio (the peer's pick at the same budget);
+- `shallow_later_K` / `shallow_all_K`: before the default selects, every row of the chunks after the one holding
+  the earliest value (of every chunk but the first) recomputed through the first K layers only, its upper
+  layers left as loaded: is the stale part of those rows in the lower layers (a refresh at K/L of the cost)?
 
 Every sample also records the question's attention mass on each chunk (`chunk_mass`, the default selection's
 scores summed per chunk), so a budget read from the model can be tested against which chunks hold values.
@@ -54,21 +57,41 @@ from cacheclip_rag.evaluation.stats import wilson_interval  # noqa: E402
 from cacheclip_rag.methods.budget import budget  # noqa: E402
 from cacheclip_rag.methods.prefills import PREFILLS  # noqa: E402
 from cacheclip_rag.stages.load import blend  # noqa: E402
+from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 from cacheclip_rag.stages.select.selection import question_scores, to_budget, value_deviation  # noqa: E402
 from common import prefill_with_rows  # noqa: E402
 
 CONDITIONS = ("default", "heads_8", "heads_32", "first_whole", "values_whole", "ratio_0.7", "ratio_0.9")
 LATER = ("from_first_whole", "after_first_whole")  # --conditions: where the stale rows that lose the value are
 STALE = ("deviation_0.2", "true_dev_0.2", "cacheblend_same")  # --conditions: can a pick of the stale rows do it?
+SHALLOW = tuple(f"shallow_{rows}_{k}" for rows in ("later", "all") for k in (4, 8, 12, 16))  # --conditions: which layers?
 
 
 def listed(text: str, references: tuple[str, ...]) -> list[str]:
     return [v for v in references if v in text]
 
 
-def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tensor] | None) -> str:
-    """The default's selection at `options.ratio` over a fresh blended cache, plus `extra` rows; greedy answer."""
-    return "".join(engine.decode(plan, prefill_with_rows(engine, plan, options, extra), options))
+def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tensor] | None, before=None) -> str:
+    """The default's selection at `options.ratio` over a fresh blended cache (changed by `before` first), plus
+    `extra` rows; greedy answer."""
+    return "".join(engine.decode(plan, prefill_with_rows(engine, plan, options, extra, before), options))
+
+
+def shallow_refresh(engine: Engine, plan, rows: list[torch.Tensor], layers: int):
+    """A change to the loaded cache: the chunk `rows` (per chunk, bool) recomputed through the first `layers`
+    layers only (their K/V there written, the layers above left as loaded)."""
+    positions = blend.positions_of(plan, rows)
+    ids = torch.tensor(plan.all_ids())[positions]
+    model = engine.primary.model
+
+    def refresh(cache) -> None:
+        every = model.model.layers
+        model.model.layers = torch.nn.ModuleList(list(every)[:layers])
+        try:
+            forward_at(model, cache, ids[None], positions[None], base_model_only=True, kernel=engine.parts.kernel)
+        finally:
+            model.model.layers = every
+    return refresh
 
 
 def value_places(chunks: list[str], references: tuple[str, ...]) -> dict[str, list[int]]:
@@ -107,10 +130,13 @@ def true_deviation_rows(engine: Engine, plan, options: RequestOptions, ratio: fl
     return to_budget(engine.parts, options, scores, ratio, grouped=False)
 
 
+SPREAD = 0.5  # the default's spread budget when this diagnosis began (opt-in since): every file stands on it
+
+
 def evaluate(engine: Engine, sample: ruler.Sample, count, conditions: tuple[str, ...] = CONDITIONS[1:]) -> dict:
     chunks = ruler.sample_chunks(sample, count)
     engine.ingest(chunks, progress=False)
-    options = RequestOptions(max_new_tokens=max(64, 12 * len(sample.references)))
+    options = RequestOptions(max_new_tokens=max(64, 12 * len(sample.references)), spread_ratio=SPREAD)
     full = engine.generate(sample.question, chunks, replace(options, method="full")).text
     default = engine.generate(sample.question, chunks, options)
     plan = engine.plan(sample.question, chunks, options)
@@ -129,10 +155,15 @@ def evaluate(engine: Engine, sample: ruler.Sample, count, conditions: tuple[str,
             "from_first_whole": (ran, whole(lambda i: i >= first)), "after_first_whole": (ran, whole(lambda i: i > first)),
             "deviation_0.2": (ran, lambda: deviation_rows(engine, plan, ran, 0.2)),
             "true_dev_0.2": (ran, lambda: true_deviation_rows(engine, plan, ran, 0.2))}
+    later, every = whole(lambda i: i > first), whole(lambda i: i > 0)
+    shallow = {f"shallow_{name}_{k}": shallow_refresh(engine, plan, rows, k)
+               for name, rows in (("later", later), ("all", every)) for k in (4, 8, 12, 16)}
     outputs = {"full": full, "default": default.text}
     for name in conditions:
         if name == "cacheblend_same":
             outputs[name] = engine.generate(sample.question, chunks, replace(ran, method="cacheblend")).text
+        elif name in shallow:
+            outputs[name] = answer(engine, plan, ran, None, shallow[name])
         else:
             at, extra = runs[name]
             outputs[name] = answer(engine, plan, at, extra() if callable(extra) else extra)
@@ -161,6 +192,8 @@ def merged(paths: list[Path]) -> list[dict]:
     for path in paths:
         for r in map(json.loads, path.read_text().splitlines()):
             key = (r["task"], r["length"], r["seed"])
+            if key in by and by[key]["ratio"] != r["ratio"]:
+                raise SystemExit(f"{path}: {key} ran at ratio {r['ratio']}, an earlier file at {by[key]['ratio']}")
             if key in by:
                 if by[key]["outputs"]["full"] != r["outputs"]["full"]:
                     raise SystemExit(f"{path}: full answers {key} otherwise than an earlier file")
@@ -180,7 +213,7 @@ def report(paths: list[Path]) -> list[dict]:
         mine = [r for r in rows if r["task"] == task]
         solved = [r for r in mine if len(r["listed"]["full"]) == len(r["references"])]
         entry = {"task": task, "samples": len(mine), "full_complete": len(solved), "conditions": {}}
-        for name in (*CONDITIONS, *LATER, *STALE):
+        for name in (*CONDITIONS, *LATER, *STALE, *SHALLOW):
             have = [r for r in solved if name in r["listed"]]
             if not have:
                 continue
@@ -200,7 +233,7 @@ def main() -> int:
     parser.add_argument("--tasks", default="multivalue")
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=13)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS[1:]), help=f"of {', '.join(CONDITIONS[1:] + LATER + STALE)} (none: '')")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS[1:]), help=f"of {', '.join(CONDITIONS[1:] + LATER + STALE + SHALLOW)} (none: '')")
     parser.add_argument("--out", default="bench/results/deployed_diagnosis.jsonl")
     parser.add_argument("--report", nargs="+", type=Path, help="rows of runs over the same samples")
     parser.add_argument("--json")
