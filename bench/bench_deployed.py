@@ -3,8 +3,8 @@ engine's default system prompt and asked through the chat template (`Engine.plan
 path `Engine.generate`, the server and the frameworks take), on the default primary with the shipped
 request defaults. Per case:
 
-- `full` (the reference) and the default (`RequestOptions()`: cacheclip, ratio 0.2, the short-prompt floor;
-  until this issue's end the spread budget too, so the rows of runs before it hold that): greedy answer (strict score: every value, no other), time to first token, the ratio
+- `full` (the reference) and the default (`RequestOptions()`: cacheclip, ratio 0.2, the spread budget, the
+  short-prompt floor): greedy answer (strict score: every value, no other), time to first token, the ratio
   it ran at, teacher-forced KL to `full` along full's answer;
 - `before`: the default without the short-prompt floor (`min_recompute_tokens=0`), the default before this
   issue (short family only: elsewhere the floor is below 0.2 of the chunk tokens and the two are the same);
@@ -12,8 +12,8 @@ request defaults. Per case:
 - diagnosis conditions over a fresh blended cache, each the base selection at 0.2 plus extra rows:
   `facts_whole` (every row of the chunks holding the answer: knows where the facts are, not a method),
   `attended_whole` (every row of each chunk whose share of the question's attention over the reused cache is
-  at least twice the mean), `ratio_0.5` (the base selection at 0.5); or `spread_0.5`, the default before the
-  spread budget left it, measured as the default is (answer, TTFT, ratio), right after it;
+  at least twice the mean), `ratio_0.5` (the base selection at 0.5); or `no_spread`, the default without the
+  spread budget (`spread_ratio=None`), measured as the default is (answer, TTFT, ratio), right after it;
 - signals: per chunk, the question's attention share over the reused cache (the default's own scoring pass),
   the lexical spread flag, and the first-token KL between reuse alone and the base 0.2 recompute.
 
@@ -139,8 +139,8 @@ def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) 
         runs = {"base_0.2": (base, None), "facts_whole": (base, whole(set(c.fact_chunks))),
                 "attended_whole": (base, whole(attended)), "ratio_0.5": (replace(base, ratio=0.5), None)}
         for name in conditions:
-            if name == "spread_0.5":  # the default before issue 67 (the lexical spread budget on), timed as served
-                rows[name] = measured(engine, c, replace(default, spread_ratio=0.5), full_tokens, full_rows)
+            if name == "no_spread":  # what the lexical spread budget costs and wins, timed as served
+                rows[name] = measured(engine, c, replace(default, spread_ratio=None), full_tokens, full_rows)
             else:
                 rows[name] = with_rows(engine, c, plan, *runs[name])
         signals["attended"] = sorted(attended)
@@ -350,7 +350,7 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=2048, choices=(0, *WORDS_FOR))
     parser.add_argument("--cases", type=int, default=52)
     parser.add_argument("--primary", default=EngineConfig().primary)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first), or spread_0.5: the default before issue 67, timed beside the default")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first), or no_spread: the default without the spread budget, timed beside it")
     parser.add_argument("--out", default="bench/results/deployed.jsonl")
     parser.add_argument("--report")
     parser.add_argument("--json")

@@ -3,9 +3,9 @@
 `bench/compare_formats.py` found the default keeping 0.96 of full's strict answers at 2K in RULER's layout and
 0.79 in the deployed one; in `multivalue` it lists every value in 2 of full's 9 (12 of 13 in RULER's), and
 where it fails it drops the value that comes first in the context. Each sample runs, in the deployed format
-(the engine's chat template, chunks ingested behind its generic system prompt), `full` and the default of
-when the diagnosis began (the question's selection with the spread budget at 0.5, `SPREAD`, so that every
-file stands on one base), then over a fresh blended cache that selection at the ratio it ran at plus extra rows:
+(the engine's chat template, chunks ingested behind its generic system prompt), `full` and the default (the
+question's selection with the spread budget at 0.5, pinned as `SPREAD` so that every file stands on one base),
+then over a fresh blended cache that selection at the ratio it ran at plus extra rows:
 
 - `heads_K`: each reused chunk's first K tokens (each chunk's cache was computed as the first thing after the
   system prompt: does its start still read as the start of the user's message?);
@@ -130,7 +130,7 @@ def true_deviation_rows(engine: Engine, plan, options: RequestOptions, ratio: fl
     return to_budget(engine.parts, options, scores, ratio, grouped=False)
 
 
-SPREAD = 0.5  # the default's spread budget when this diagnosis began (opt-in since): every file stands on it
+SPREAD = 0.5  # the default's spread budget, pinned: every file of this diagnosis stands on the same base
 
 
 def evaluate(engine: Engine, sample: ruler.Sample, count, conditions: tuple[str, ...] = CONDITIONS[1:]) -> dict:

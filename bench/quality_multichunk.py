@@ -8,8 +8,7 @@ Per row (method, length, ratio), over the samples where `full` lists every value
 - `ttft_speedup`: mean TTFT of `full` over the method's (indicative: CPU, runs may share the machine);
 - `paired_vs_default`: strict wins/losses against the shipped default on the same samples, sign test (the
   default's own row: against the default before the spread budget, `paired_vs_before`);
-- `default`: whether the row is the shipped default (`profiles.is_default`: `cacheclip_default` at 0.2). The
-  runs of issue 54 hold `cacheclip_spread`, the default then (the spread budget is opt-in since issue 67).
+- `default`: whether the row is the shipped default (`profiles.is_default`: `cacheclip_spread` at 0.2).
 
     python bench/quality_multichunk.py bench/eval-multichunk bench/eval-multichunk-4k \
         --json bench/results/quality_multichunk.json --plot bench/results/quality_multichunk.png
@@ -29,10 +28,11 @@ sys.path.insert(0, str(ROOT))
 from cacheclip_rag.evaluation.profiles import is_default  # noqa: E402
 from cacheclip_rag.evaluation.stats import bootstrap_ci, sign_test, wilson_interval  # noqa: E402
 
-DEFAULT = "cacheclip_spread"  # the default of issue 54's runs (question selection + the spread budget; opt-in now)
+DEFAULT = "cacheclip_spread"  # the variant that runs the shipped default (question selection + the spread budget)
 BEFORE = "cacheclip_requery"  # the default before the spread budget (issue 54): question selection at the ratio alone
-LABELS = {"cacheclip_spread": "cacheclip + spread budget (issue 54's default)",
-          "cacheclip_requery": "cacheclip, question selection alone (the default since issue 67)",
+LABELS = {"cacheclip_spread": "cacheclip (default: question selection + spread budget)",
+          "cacheclip_requery": "cacheclip, question selection alone (the default before)",
+          "cacheclip_nospread": "cacheclip without the spread budget (spread_ratio=None)",
           "cacheclip": "cacheclip (paper: aux selection)"}
 
 

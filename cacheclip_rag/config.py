@@ -29,6 +29,7 @@ RECOMPUTE_LAYERS = ("all", "sliding", "global")  # Diagnostics.recompute_layers
 # selectors of the methods of those names.
 SELECTIONS = ("question", "aux")
 DEFAULT_SELECTION = "question"
+SPREAD_RATIO = 0.5  # RequestOptions.spread_ratio's default
 MIN_RECOMPUTE_TOKENS = 256  # RequestOptions.min_recompute_tokens's default
 
 
@@ -195,11 +196,9 @@ class RequestOptions:
     selection: str = DEFAULT_SELECTION
     aux_share: float = 0.0
     # cacheclip recomputes at least this ratio when the question's subject is in two chunks or more (an answer
-    # drawn from several chunks: `spread.answer_spread`, a lexical test); None (the default): the ratio alone.
-    # Off by default since issue 67: asked as deployed it won no answer on RULER (2K +0.00 [-0.04, +0.04],
-    # 4K +0.01 [0.00, +0.04], paired) and sent a third of single-topic questions to the larger budget for nothing
-    # (bench/RESULTS.md, "The lexical spread budget leaves the default")
-    spread_ratio: float | None = None
+    # drawn from several chunks: `spread.answer_spread`); None: the ratio alone. At ratio 0.2 the lists such
+    # questions ask for were kept in 0.74 of full's complete answers at 4K, at 0.5 in 0.93 (bench/RESULTS.md)
+    spread_ratio: float | None = SPREAD_RATIO
     # cacheclip recomputes at least this many chunk tokens; a prompt with fewer runs as `full`; 0: the ratio
     # alone. Reuse saves a fraction of a second there (a 91-token prompt: 0.18 s against full's 0.21 s on 2 CPU
     # cores) and lost half the answers (bench/RESULTS.md, "Evaluated as deployed")

@@ -359,16 +359,16 @@ def test_quality_judges_each_method_against_the_must_hold_by_paired_ratios_of_me
 
 def test_quality_marks_the_shipped_default_the_row_a_request_without_options_gets():
     """Exactly one row is the default: the variant whose request equals RequestOptions() at its ratio (the
-    question's selection at 0.2 with the short-prompt floor); the paper's aux selection at 0.2, the question's
-    selection without the floor or with the spread budget, and the default at 0.3 are not."""
+    question's selection at 0.2 with the spread budget); the paper's aux selection at 0.2, the question's
+    selection without the spread budget, and the default at 0.3 are not."""
     seeds = range(3)
     records = [record(s, "full", None, 0.0) for s in seeds]
     records += [record(s, v, r, 0.01) for s in seeds
                 for v, r in (("shared_prefix", None), ("cacheclip", 0.2), ("cacheclip_requery", 0.2),
-                             ("cacheclip_spread", 0.2), ("cacheclip_default", 0.2), ("cacheclip_default", 0.3))]
+                             ("cacheclip_spread", 0.2), ("cacheclip_spread", 0.3))]
     rows = report.quality(records, 160)["methods"]
-    assert [(m["method"], m["ratio"]) for m in rows if m["default"]] == [("cacheclip_default", 0.2)]
-    assert runner.VARIANTS["cacheclip_default"].options(0.2) == RequestOptions()
+    assert [(m["method"], m["ratio"]) for m in rows if m["default"]] == [("cacheclip_spread", 0.2)]
+    assert runner.VARIANTS["cacheclip_spread"].options(0.2) == RequestOptions()
     assert runner.VARIANTS["cacheclip_requery"].options(0.2).spread_ratio is None
     assert runner.VARIANTS["cacheclip"].options(0.2).selection == "aux"
 

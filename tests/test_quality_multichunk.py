@@ -38,7 +38,7 @@ def test_strict_retention_counts_full_complete_samples_and_pairs_against_the_def
     assert abs(default["partial_retention"]["mean"] - (1 + 1 + 2 / 3) / 3) < 1e-12
     assert abs(default["tf_kl"]["mean"] - 0.15) < 1e-12 and default["ttft_speedup"] == 4.0
     assert "paired_vs_default" not in default and "paired_vs_before" not in default  # no before-run here
-    assert not default["default"] and not other["default"]  # the spread budget is opt-in since issue 67
+    assert default["default"] and not other["default"]
     assert other["strict_retention"]["kept"] == 1
     assert other["paired_vs_default"] == {"n": 3, "wins": 1, "losses": 2, "sign_p": 1.0}
     run = tmp_path / "run"

@@ -507,9 +507,9 @@ def test_a_completion_reads_its_question_after_the_chunks_as_the_chat_route_does
 
 
 def test_usage_gives_the_ratio_a_request_ran_at_raised_for_a_subject_two_chunks_hold(engine):
-    """The spread budget (RequestOptions.spread_ratio), off by default: `cacheclip.spread_ratio` turns it on, and
-    then a question whose subject is in two of the pasted chunks runs at that ratio and usage says so; the same
-    question over chunks where one holds it runs at the ratio asked; absent or null, every request does."""
+    """The spread budget (RequestOptions.spread_ratio): a question whose subject is in two of the pasted chunks
+    runs at 0.5 and usage says so; the same question over chunks where one holds it runs at the ratio asked;
+    `cacheclip.spread_ratio` sets the budget or (null) turns it off."""
     mill = ["The Osterby mill owned the boat Heron in the dry spring. " * 2,
             "The Osterby mill owned the boat Tern in the wet autumn. " * 2,
             "The bakery on the quay owned the boat Tern in the wet autumn. " * 2]
@@ -522,8 +522,7 @@ def test_usage_gives_the_ratio_a_request_ran_at_raised_for_a_subject_two_chunks_
                     {"role": "system", "content": "Context:\n" + "\n\n".join(chunks)},
                     {"role": "user", "content": "Which boats did the Osterby mill own?"}]).usage.model_dump()["cacheclip"]
 
-        for chunks, ours, ratio in ((mill[:2], {"spread_ratio": 0.5}, 0.5), (mill[::2], {"spread_ratio": 0.5}, 0.2),
-                                    (mill[:2], {}, 0.2), (mill[:2], {"spread_ratio": None}, 0.2),
+        for chunks, ours, ratio in ((mill[:2], {}, 0.5), (mill[::2], {}, 0.2), (mill[:2], {"spread_ratio": None}, 0.2),
                                     (mill[:2], {"spread_ratio": 0.3}, 0.3)):
             usage = ask(chunks, **ours)
             assert usage["chunks_recognised"] == 2 and usage["ratio"] == ratio

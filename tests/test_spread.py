@@ -86,13 +86,13 @@ SINGLE = _Plan("Which boats did the Osterby mill own?",
                ["The Osterby mill owned the Heron.", "Weather was fine.", "The bakery owned the Tern."])
 
 
-def test_the_spread_budget_is_off_by_default_and_raises_only_a_partial_ratio_below_it():
+def test_the_spread_budget_raises_only_a_partial_ratio_below_it():
     assert answer_spread(SPREAD.question, SPREAD.texts).chunks == (0, 2)
-    assert spread_budget(SPREAD, RequestOptions(ratio=0.2)).ratio == 0.2  # off unless asked (issue 67)
-    assert spread_budget(SPREAD, RequestOptions(ratio=0.2, spread_ratio=0.5)).ratio == 0.5
-    assert spread_budget(SINGLE, RequestOptions(ratio=0.2, spread_ratio=0.5)).ratio == 0.2
-    assert spread_budget(SPREAD, RequestOptions(ratio=0.0, spread_ratio=0.5)).ratio == 0.0  # reuse, as asked
-    assert spread_budget(SPREAD, RequestOptions(ratio=0.7, spread_ratio=0.5)).ratio == 0.7
+    assert spread_budget(SPREAD, RequestOptions(ratio=0.2)).ratio == 0.5
+    assert spread_budget(SINGLE, RequestOptions(ratio=0.2)).ratio == 0.2
+    assert spread_budget(SPREAD, RequestOptions(ratio=0.2, spread_ratio=None)).ratio == 0.2
+    assert spread_budget(SPREAD, RequestOptions(ratio=0.0)).ratio == 0.0  # shared-prefix reuse, as asked
+    assert spread_budget(SPREAD, RequestOptions(ratio=0.7)).ratio == 0.7
     assert spread_budget(SPREAD, RequestOptions(ratio=0.2, spread_ratio=0.3)).ratio == 0.3
 
 
@@ -109,10 +109,10 @@ def test_a_spread_question_runs_exactly_as_the_larger_ratio_and_any_other_exactl
     def answer(plan, **kw):
         return engine.generate(plan.question, list(plan.texts), RequestOptions(max_new_tokens=3, min_recompute_tokens=0, **kw))
 
-    spread, at_half = answer(SPREAD, ratio=0.2, spread_ratio=0.5), answer(SPREAD, ratio=0.5)
+    spread, at_half = answer(SPREAD, ratio=0.2), answer(SPREAD, ratio=0.5, spread_ratio=None)
     assert spread.ratio == 0.5 and spread.recomputed_tokens == at_half.recomputed_tokens > 0
     assert spread.token_ids == at_half.token_ids and max_diff(spread.first_logits, at_half.first_logits) == 0
-    single, plain = answer(SINGLE, ratio=0.2, spread_ratio=0.5), answer(SINGLE, ratio=0.2)
+    single, plain = answer(SINGLE, ratio=0.2), answer(SINGLE, ratio=0.2, spread_ratio=None)
     assert single.ratio == 0.2 and single.recomputed_tokens == plain.recomputed_tokens
     assert single.token_ids == plain.token_ids and torch.equal(single.first_logits, plain.first_logits)
-    assert answer(SPREAD, ratio=0.2).recomputed_tokens < spread.recomputed_tokens
+    assert answer(SPREAD, ratio=0.2, spread_ratio=None).recomputed_tokens < spread.recomputed_tokens

@@ -27,9 +27,9 @@ class Variant:
     # "question" (cacheclip's default), after the aux's pick of aux_share of the budget
     selection: str = "aux"
     aux_share: float = 0.0
-    spread_ratio: float | None = None  # RequestOptions.spread_ratio (`cacheclip_spread`: 0.5, opt-in)
+    spread_ratio: float | None = None  # RequestOptions.spread_ratio (the shipped default: 0.5, `cacheclip_spread`)
     # RequestOptions.min_recompute_tokens: 0, the ratio alone (variants measure what a ratio does); the shipped
-    # default's floor in `cacheclip_default` (and `cacheclip_spread`)
+    # default's floor in `cacheclip_spread`
     min_recompute_tokens: int = 0
 
     @property
@@ -77,13 +77,13 @@ VARIANTS = {
         # the budget (requery 0), or over the cache after the aux's pick of half the budget was recomputed
         Variant("cacheclip_requery", "cacheclip", selection="question"),
         Variant("cacheclip_requery_half", "cacheclip", selection="question", aux_share=0.5),
-        # the default of issues 54-67, now opt-in: the question's selection, and ratio 0.5 for a question whose
-        # subject several chunks hold (`spread.answer_spread`); at least 256 chunk tokens
+        # the default as shipped since issue 54: the question's selection, and ratio 0.5 for a question whose
+        # subject several chunks hold (`spread.answer_spread`); since issue 67 at least 256 chunk tokens
         Variant("cacheclip_spread", "cacheclip", selection="question", spread_ratio=0.5,
                 min_recompute_tokens=MIN_RECOMPUTE_TOKENS),
-        # the default as shipped since issue 67: the question's selection, at least 256 chunk tokens (over
-        # longer prompts, RULER's, it is `cacheclip_requery` token for token)
-        Variant("cacheclip_default", "cacheclip", selection="question", min_recompute_tokens=MIN_RECOMPUTE_TOKENS),
+        # the default without the spread budget (`spread_ratio=None`), floor kept: what the budget adds, as
+        # deployed (over prompts above the floor, RULER's, it is `cacheclip_requery` token for token)
+        Variant("cacheclip_nospread", "cacheclip", selection="question", min_recompute_tokens=MIN_RECOMPUTE_TOKENS),
     )
 }
 
@@ -93,7 +93,7 @@ def is_default(variant: str, ratio: float | None) -> bool:
 
 
 GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only",
-                "cacheclip_requery", "cacheclip_requery_half", "cacheclip_spread", "cacheclip_default")
+                "cacheclip_requery", "cacheclip_requery_half", "cacheclip_spread", "cacheclip_nospread")
 MAIN_VARIANTS = ("full", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip")
 
 
@@ -130,7 +130,7 @@ PROFILES = {
     # partial credit RULER gives; 52 samples a length
     "multichunk": Profile(
         "multichunk", lengths=(2048, 4096), tasks=ruler.MULTICHUNK_TASKS, samples=13, ratios=(0.2,),
-        variants=("full", "shared_prefix", "cacheblend", "cacheclip_default", "cacheclip_spread", "cacheclip", "oracle"),
+        variants=("full", "shared_prefix", "cacheblend", "cacheclip_requery", "cacheclip_spread", "cacheclip", "oracle"),
         alignment_lengths=(), alignment_samples=0, max_new_tokens=48,
     ),
     # the paired comparison at the headline budget, with power: 104 samples at 2K (run first: the

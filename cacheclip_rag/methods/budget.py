@@ -1,7 +1,6 @@
 """How many chunk rows the cacheclip method recomputes for a request: the ratio asked, raised for a question
-whose subject several chunks hold when the caller sets `spread_ratio` (`spread_budget`, opt-in since issue 67:
-asked as deployed it won 5 answers and lost 1 of 363, bench/RESULTS.md), and a floor for short prompts
-(`short_prompt_budget`), below which the request runs as `full`."""
+whose subject several chunks hold (`spread_budget`), and a floor for short prompts (`short_prompt_budget`),
+below which the request runs as `full`."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import SELECTIONS
+from ..config import SELECTIONS, SPREAD_RATIO
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Generation:
     ratio: float | None
     selection: str | None = None  # "question" | "aux" when the request names one
     aux_share: float | None = None
-    spread_ratio: float | None = None  # a number turns the spread budget on (off by default)
+    spread_ratio: float | None = SPREAD_RATIO  # null turns the spread budget off
     min_recompute_tokens: int | None = None  # the server's default when None; 0 turns the short-prompt floor off
 
 
@@ -195,7 +195,8 @@ def generation(body: dict, known_models: tuple[str, ...], methods: tuple[str, ..
         raise APIError(400, f"'cacheclip.method' must be one of {', '.join(methods)}, got {method!r}", "cacheclip.method")
     ratio = None if ours.get("ratio") is None else _number(ours, "ratio", 0.0, low=0.0, high=1.0)
     selection, aux_share = _selection(ours)
-    spread = None if ours.get("spread_ratio") is None else _number(ours, "spread_ratio", 0.0, low=0.0, high=1.0)
+    spread = None if "spread_ratio" in ours and ours["spread_ratio"] is None else _number(
+        ours, "spread_ratio", SPREAD_RATIO, low=0.0, high=1.0)
     floor = _integer(ours, "min_recompute_tokens", 0, 1 << 20)
     return Generation(model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, low=0.0, high=2.0),
                       top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0), stop=_strings(body.get("stop"), "stop", 4),
