@@ -43,16 +43,14 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.stages.load import blend  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, Case, case, strict_score  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import first_token_kl, teacher_forced_fidelity  # noqa: E402
 from cacheclip_rag.evaluation.stats import paired_bootstrap_ci, ratio_of_means, wilson_interval  # noqa: E402
 from cacheclip_rag.stages.request import Prefill  # noqa: E402
-from cacheclip_rag.stages.select.selection import question_scores  # noqa: E402
 from cacheclip_rag.methods.spread import answer_spread  # noqa: E402
-from common import prefill_with_rows  # noqa: E402
+from common import chunk_shares, prefill_with_rows  # noqa: E402
 
 MAX_NEW = 40
 ATTENDED = 2.0  # a chunk is attended when its share of the question's attention is at least this x the mean
@@ -125,10 +123,8 @@ def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) 
     rows["shared_prefix"] = {"tf_kl": teacher_forced_fidelity(full_rows, engine.teacher_forced_logits(
         plan, reuse, full_tokens), full_tokens)[0]}
     # signals: the question's attention share per chunk over the reused cache (the default's scoring pass)
-    parts = engine.parts
     base = replace(default, spread_ratio=None, min_recompute_tokens=0)
-    scores = question_scores(parts, blend.blended_cache(parts, plan, base, shared=True), plan, base)
-    shares = [float(scores[a:b].sum()) for a, b in plan.chunk_rows()]
+    shares = chunk_shares(engine, plan, base)
     signals = {"shares": shares, "spread": answer_spread(c.question, c.chunks).spread}
     if c.family != "short":
         n = len(plan.chunk_ids)

@@ -16,7 +16,7 @@ from cacheclip_rag.models.loading import LoadedModel
 from cacheclip_rag.stages.cache import BlendedCache
 from cacheclip_rag.stages.load import blend
 from cacheclip_rag.stages.request import Plan, Prefill, Timings
-from cacheclip_rag.stages.select.selection import question_attention
+from cacheclip_rag.stages.select.selection import question_attention, question_scores
 from cacheclip_rag.store import LMDBStore
 
 QUESTIONS = (
@@ -56,6 +56,13 @@ def recompute_rows(length: int, generator: torch.Generator, ratio: float = 0.2) 
     chunk_rows = length - QUESTION_ROWS
     picked = torch.randperm(chunk_rows, generator=generator)[: int(ratio * chunk_rows)].sort().values
     return torch.cat([picked, torch.arange(chunk_rows, length)])
+
+
+def chunk_shares(engine: Engine, plan: Plan, options: RequestOptions) -> list[float]:
+    """The question's attention share of each chunk over the reused cache (the default selection's own scoring
+    pass over a fresh blended cache, summed per chunk)."""
+    scores = question_scores(engine.parts, blend.blended_cache(engine.parts, plan, options, shared=True), plan, options)
+    return [float(scores[a:b].sum()) for a, b in plan.chunk_rows()]
 
 
 def prefill_with_rows(engine: Engine, plan: Plan, options: RequestOptions, extra: list[torch.Tensor] | None,

@@ -58,8 +58,8 @@ from cacheclip_rag.methods.budget import budget  # noqa: E402
 from cacheclip_rag.methods.prefills import PREFILLS  # noqa: E402
 from cacheclip_rag.stages.load import blend  # noqa: E402
 from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
-from cacheclip_rag.stages.select.selection import question_scores, to_budget, value_deviation  # noqa: E402
-from common import prefill_with_rows  # noqa: E402
+from cacheclip_rag.stages.select.selection import to_budget, value_deviation  # noqa: E402
+from common import chunk_shares, prefill_with_rows  # noqa: E402
 
 CONDITIONS = ("default", "heads_8", "heads_32", "first_whole", "values_whole", "ratio_0.7", "ratio_0.9")
 LATER = ("from_first_whole", "after_first_whole")  # --conditions: where the stale rows that lose the value are
@@ -80,11 +80,11 @@ def answer(engine: Engine, plan, options: RequestOptions, extra: list[torch.Tens
 def shallow_refresh(engine: Engine, plan, rows: list[torch.Tensor], layers: int):
     """A change to the loaded cache: the chunk `rows` (per chunk, bool) recomputed through the first `layers`
     layers only (their K/V there written, the layers above left as loaded)."""
-    positions = blend.positions_of(plan, rows)
-    ids = torch.tensor(plan.all_ids())[positions]
     model = engine.primary.model
 
     def refresh(cache) -> None:
+        positions = blend.positions_of(plan, rows)
+        ids = torch.tensor(plan.all_ids())[positions]
         every = model.model.layers
         model.model.layers = torch.nn.ModuleList(list(every)[:layers])
         try:
@@ -101,12 +101,6 @@ def value_places(chunks: list[str], references: tuple[str, ...]) -> dict[str, li
 
 def per_chunk(plan, scores: torch.Tensor) -> list[torch.Tensor]:
     return [scores[a:b] for a, b in plan.chunk_rows()]
-
-
-def chunk_mass(engine: Engine, plan, options: RequestOptions) -> list[float]:
-    """The question's attention mass on each chunk over the reused cache (the default selection's scores)."""
-    scores = question_scores(engine.parts, blend.blended_cache(engine.parts, plan, options, shared=True), plan, options)
-    return [round(float(s.sum()), 5) for s in per_chunk(plan, scores)]
 
 
 def deviation_rows(engine: Engine, plan, options: RequestOptions, ratio: float) -> list[torch.Tensor]:
@@ -168,7 +162,7 @@ def evaluate(engine: Engine, sample: ruler.Sample, count, conditions: tuple[str,
             at, extra = runs[name]
             outputs[name] = answer(engine, plan, at, extra() if callable(extra) else extra)
     return {"task": sample.task, "length": sample.target_tokens, "seed": sample.seed, "references": sample.references,
-            "value_places": places, "chunks": len(chunks), "ratio": ran.ratio, "chunk_mass": chunk_mass(engine, plan, ran),
+            "value_places": places, "chunks": len(chunks), "ratio": ran.ratio, "chunk_mass": [round(s, 5) for s in chunk_shares(engine, plan, ran)],
             "outputs": outputs, "listed": {k: listed(v, sample.references) for k, v in outputs.items()}}
 
 
@@ -192,9 +186,9 @@ def merged(paths: list[Path]) -> list[dict]:
     for path in paths:
         for r in map(json.loads, path.read_text().splitlines()):
             key = (r["task"], r["length"], r["seed"])
-            if key in by and by[key]["ratio"] != r["ratio"]:
-                raise SystemExit(f"{path}: {key} ran at ratio {r['ratio']}, an earlier file at {by[key]['ratio']}")
             if key in by:
+                if by[key]["ratio"] != r["ratio"]:
+                    raise SystemExit(f"{path}: {key} ran at ratio {r['ratio']}, an earlier file at {by[key]['ratio']}")
                 if by[key]["outputs"]["full"] != r["outputs"]["full"]:
                     raise SystemExit(f"{path}: full answers {key} otherwise than an earlier file")
                 by[key]["outputs"] |= r["outputs"]
