@@ -92,6 +92,25 @@ def test_packed_gemv_for_few_rows(rows):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows_hint", [1, 64])
+def test_packed_gemv_reads_the_layout_of_either_row_hint(rows_hint):
+    """oneDNN lays a weight out by the rows it is packed for (in blocks of 64 outputs for one row, of 32 for many
+    on AMX): the kernel reads whichever it gets, and a weight packed only for that hint keeps it."""
+    torch.manual_seed(rows_hint)
+    linear = nn.Linear(256, 320, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear, (rows_hint,))
+    assert packed.rows_hint == rows_hint and packed.gemv_address is not None and packed.gemv_block in (32, 64)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    expected = x.double() @ linear.weight.double().t() + linear.bias.double()
+    assert (packed(x).double() - expected).abs().max() <= 2 ** -7 * expected.abs().max()
+    other = 96 - packed.gemv_block  # the other block width reads the weight wrongly: the check is not vacuous
+    wrong = cpu_kernels.packed_gemv(x, packed.gemv_address, 256, 320, packed._bias_for_kernel(), other)
+    assert (wrong.double() - expected).abs().max() > 0.1 * expected.abs().max()
+    with pytest.raises(RuntimeError, match="a block of 32 or 64 outputs"):
+        cpu_kernels.packed_gemv(x, packed.gemv_address, 256, 320, None, 48)
+
+
+@needs_kernels
 def test_odd_width_keeps_onednn():
     linear = nn.Linear(33, 64).to(torch.bfloat16)
     assert PackedLinear(linear).gemv_address is None

@@ -1,8 +1,9 @@
 // Kernels for bf16 models on CPUs with AVX-512 BF16 (cacheclip_rag/cpu_kernels.py builds and checks them).
 //
 // packed_gemv: y[M, O] = x[M, I] W^T (a decode step's few rows) over oneDNN's prepacked bf16 weight, whose layout on AVX-512 is
-//   [ceil(O/64)][ceil(I/2)][64][2] (64 outputs a block, input pairs interleaved for vdpbf16ps; the block is
-//   one contiguous stream). cpu_kernels checks that layout against oneDNN's own product for every weight.
+//   [ceil(O/B)][ceil(I/2)][B][2] (B outputs a block, input pairs interleaved for vdpbf16ps; the block is one
+//   contiguous stream): B = 64 for a weight packed for one row, 32 for many rows on AMX. cpu_kernels checks the
+//   layout against oneDNN's own product for every weight.
 // one_row_attention: one query row per head (GQA: each KV head's query heads together) over a bf16 cache,
 //   flash-decoding style: (KV head, key range) work items with an online softmax, merged by log-sum-exp.
 // positioned_attention: many query rows at given positions (a prefill's causal rows, or CacheClip's scattered
@@ -82,43 +83,52 @@ inline void transpose16(__m512i* r) {
   }
 }
 
-// rows r0..r0+R-1 of x against one 64-output block: R x 4 accumulators, the block's weights loaded once a pair
-template <int R>
+// rows r0..r0+R-1 of x against one block of C * 16 outputs: R x C accumulators, the block's weights loaded once a pair
+template <int R, int C>
 inline void block_product(const uint16_t* w, const uint32_t* xp, int64_t pairs, int64_t r0, float* out) {
-  __m512 acc[R][4];
+  __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p, w += 128) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32),
-                   w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p, w += 32 * C) {
+    __m512bh wc[C];
+    for (int c = 0; c < C; ++c) wc[c] = (__m512bh)_mm512_loadu_si512(w + 32 * c);
     for (int r = 0; r < R; ++r) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(r0 + r) * pairs + p]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wc[c], xb);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + r * 64 + 16 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_store_ps(out + r * 16 * C + 16 * c, acc[r][c]);
 }
 
-// x [M, in_features] bf16 times the weight oneDNN packed for [out_features, in_features] at weight_address; the
-// weight's width is given, not read from x: a wrong-width x is refused rather than read past the weight.
+template <int C>
+inline void rows_product(const uint16_t* w, const uint32_t* xp, int64_t pairs, int64_t r0, int64_t nr, float* out) {
+  switch (nr) {
+    case 1: block_product<1, C>(w, xp, pairs, r0, out); break;
+    case 2: block_product<2, C>(w, xp, pairs, r0, out); break;
+    case 3: block_product<3, C>(w, xp, pairs, r0, out); break;
+    default: block_product<4, C>(w, xp, pairs, r0, out); break;
+  }
+}
+
+// x [M, in_features] bf16 times the weight oneDNN packed for [out_features, in_features] at weight_address in
+// blocks of `block` (32 or 64) outputs; the weight's width is given, not read from x: a wrong-width x is refused
+// rather than read past the weight.
 at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t in_features, int64_t out_features,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, int64_t block) {
   TORCH_CHECK(x.device().is_cpu() && (!bias.has_value() || bias->device().is_cpu()),
               "packed_gemv takes CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "packed_gemv takes contiguous bf16 rows [M, in_features]");
   TORCH_CHECK(in_features > 0 && in_features % 2 == 0 && out_features > 0 && weight_address != 0,
               "packed_gemv: a packed weight of even width and at least one output");
+  TORCH_CHECK(block == 32 || block == 64, "packed_gemv: a block of 32 or 64 outputs, got ", block);
   TORCH_CHECK(x.size(1) == in_features, "packed_gemv: rows of width ", x.size(1), " for a weight of width ",
               in_features);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
               bias->numel() == out_features), "packed_gemv: the bias must be bf16 [out_features]");
   if (x.size(0) == 0) return at::empty({0, out_features}, x.options());  // as F.linear: no rows, no output
-  const int64_t rows = x.size(0), pairs = x.size(1) / 2, blocks = (out_features + 63) / 64;
+  const int64_t rows = x.size(0), pairs = x.size(1) / 2, blocks = (out_features + block - 1) / block;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const uint16_t* bp = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight_address);
@@ -127,21 +137,17 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t in_f
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float out[4 * 64];
     for (int64_t b = begin; b < end; ++b) {
-      const uint16_t* w = wp + b * pairs * 128;
-      const int64_t n = std::min<int64_t>(64, out_features - b * 64);
+      const uint16_t* w = wp + b * pairs * 2 * block;
+      const int64_t n = std::min<int64_t>(block, out_features - b * block);
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // the block is re-read from cache for rows past 4
         const int64_t nr = std::min<int64_t>(4, rows - r0);
-        switch (nr) {
-          case 1: block_product<1>(w, xp, pairs, r0, out); break;
-          case 2: block_product<2>(w, xp, pairs, r0, out); break;
-          case 3: block_product<3>(w, xp, pairs, r0, out); break;
-          default: block_product<4>(w, xp, pairs, r0, out); break;
-        }
+        if (block == 64) rows_product<4>(w, xp, pairs, r0, nr, out);
+        else rows_product<2>(w, xp, pairs, r0, nr, out);
         for (int64_t r = 0; r < nr; ++r)
           for (int64_t c = 0; c < n; ++c) {
-            float value = out[r * 64 + c];
-            if (bp != nullptr) value += bf16_to_f32(bp[b * 64 + c]);
-            yp[(r0 + r) * out_features + b * 64 + c] = f32_to_bf16(value);
+            float value = out[r * block + c];
+            if (bp != nullptr) value += bf16_to_f32(bp[b * block + c]);
+            yp[(r0 + r) * out_features + b * block + c] = f32_to_bf16(value);
           }
       }
     }
@@ -478,7 +484,7 @@ at::Tensor positioned_attention(const at::Tensor& query, const at::Tensor& posit
 }  // namespace
 
 TORCH_LIBRARY(cacheclip_cpu, m) {
-  m.def("packed_gemv(Tensor x, int weight_address, int in_features, int out_features, Tensor? bias) -> Tensor",
+  m.def("packed_gemv(Tensor x, int weight_address, int in_features, int out_features, Tensor? bias, int block=64) -> Tensor",
         &packed_gemv);
   m.def("one_row_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor", &one_row_attention);
   m.def("positioned_attention(Tensor query, Tensor positions, Tensor key, Tensor value, float scaling) -> Tensor",

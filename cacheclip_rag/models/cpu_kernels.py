@@ -154,10 +154,11 @@ def set_enabled(on: bool) -> None:
 
 
 def packed_gemv(x: torch.Tensor, weight_address: int, in_features: int, out_features: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, block: int = 64) -> torch.Tensor:
     """[M, out] bf16 = x [M, in] (bf16, contiguous, even width `in_features`, which x must have) times the
-    oneDNN-packed weight at `weight_address` (see `packed_linear.PackedLinear`), plus `bias`; M may be 0."""
-    return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, in_features, out_features, bias)
+    oneDNN-packed weight at `weight_address` laid out in blocks of `block` (32 or 64) outputs (see
+    `packed_linear.PackedLinear`), plus `bias`; M may be 0."""
+    return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, in_features, out_features, bias, block)
 
 
 def _over_a_bf16_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
+from .cpu_allocator import keep_freed_memory
 from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
 from .sources import check_model_source
 
@@ -326,6 +327,7 @@ def load_model(
     if torch.device(device).type == "cpu":
         fit_threads_to_cores()
         caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
+        caps.update({name: str(value) for name, value in keep_freed_memory().items()})
         packed = pack_linears(model) if prepack else 0
         native_bf16 = cpu_has_native_bf16()
         log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked%s", name,

@@ -5,9 +5,11 @@ blocked layout on every call. For the one-row matmuls of a decode step that reor
 product: measured here, a 4864x896 bf16 linear for one row takes 0.41 ms through `F.linear` and 0.08 ms
 over a weight reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`, the op torch's own
 inductor uses when it freezes a CPU graph); Qwen2.5's 272 MB output head 31.6 ms and 16.0 ms. Prefill's
-many-row matmuls gain less: 10-40% an op in that test, 4-11% of a whole Qwen2.5-0.5B prefill. The results
-agree with `F.linear`'s to bf16 rounding (the same oneDNN kernels; the order of a sum can differ in its
-last bit).
+many-row matmuls gain less: 10-40% an op in that test, 4-11% of a whole Qwen2.5-0.5B prefill. The layout
+depends on the row count the weight is packed for (ROWS_HINTS): it is packed for many rows, which on AMX CPUs
+made a 2K prefill 9% faster and a 400-row recompute's linears up to 1.6x, and `cpu_kernels.packed_gemv` reads
+either layout for decode. The results agree with `F.linear`'s to bf16 rounding (the same oneDNN kernels; the
+order of a sum can differ in its last bit).
 
 `pack_linears` swaps each bf16 `nn.Linear` for a `PackedLinear` that holds only the packed weight (no
 second copy; a tied output head keeps its embedding). `unpack_linears` gives plain linears back, for a
@@ -30,6 +32,15 @@ from . import cpu_kernels
 # sample (an evaluation at 7 GB after 40 samples, 10 GB after 80), ~1.6 GB over 600 linears of random row
 # counts. 16 entries each hold every shape a decode step repeats; measured there: growth stops at ~0.3 GB.
 ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+# The row count oneDNN packs a weight for. For one row (a decode step) it lays a weight out in blocks of 64 outputs;
+# for 16 rows or more, on AMX, in blocks of 32, and a many-row product over the one-row layout reorders the weight
+# on every call: measured here (Xeon with AMX, 2 threads), a 4864x896 linear over 400 rows took 2.12 ms on the
+# one-row layout and 1.29-1.36 ms on the many-row one, 8.46 and 7.61 ms over 2,048 rows, the same 0.27 ms for one
+# row. So a weight is packed for many rows (prefill and recompute), and for one row only where `packed_gemv`
+# cannot read the many-row layout (decode keeps its kernel either way).
+ROWS_HINTS = (64, 1)
+GEMV_BLOCKS = (32, 64)  # the output blocks `packed_gemv` reads
 ONEDNN_CACHE_CAPACITY = 16
 
 
@@ -57,34 +68,41 @@ class PackedLinear(nn.Module):
     `weight` is the dense weight unpacked on demand (a copy; for readers, not for the forward). The
     module holds no dense weight parameter, so `state_dict` lists only `bias`."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, rows_hints: tuple[int, ...] = ROWS_HINTS):
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
             raise ValueError(f"PackedLinear takes a bf16 CPU linear, got {linear.weight.dtype} on "
                              f"{linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # batch-size hint 1: the decode step's shape; a many-row input runs on the same packed weight
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = linear.bias
-        self.gemv_address = self._checked_gemv_address()
+        self.gemv_address, self.gemv_block = None, GEMV_BLOCKS[-1]
+        for rows_hint in rows_hints:  # the prefill layout, unless only the decode layout lets the kernel read it
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+            self.rows_hint = rows_hint
+            if self._find_gemv_layout() or not cpu_kernels.available() or self.in_features % 2:
+                break
 
-    def _checked_gemv_address(self) -> int | None:
-        """The packed weight's address where `cpu_kernels.packed_gemv` reads it right: its byte size is the
-        layout's ([ceil(O/64)][I/2][64][2] bf16) and its product for a random row equals oneDNN's to bf16
-        rounding. None elsewhere (no kernels, an odd input width, another layout): oneDNN runs every row."""
+    def _find_gemv_layout(self) -> bool:
+        """Set `gemv_address` and `gemv_block` where `cpu_kernels.packed_gemv` reads the packed weight right:
+        its byte size is a layout's ([ceil(O/B)][I/2][B][2] bf16, B in GEMV_BLOCKS) and its product for a
+        random row equals oneDNN's to bf16 rounding. Else (no kernels, an odd input width, another layout)
+        `gemv_address` stays None and oneDNN runs every row."""
         if self.in_features % 2 or not cpu_kernels.available():
-            return None
-        if torch.ops.mkldnn._nbytes(self.packed) != -(-self.out_features // 64) * 64 * self.in_features * 2:
-            return None
+            return False
         address = torch.ops.mkldnn.data_ptr(self.packed)
         generator = torch.Generator().manual_seed(self.in_features * 7919 + self.out_features)
         x = torch.randn(1, self.in_features, generator=generator).to(torch.bfloat16)
         with torch.no_grad():
-            ours = cpu_kernels.packed_gemv(x, address, self.in_features, self.out_features,
-                                           self._bias_for_kernel()).float()
             theirs = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "").float()
-        close = (ours - theirs).abs().max() <= 2e-2 * theirs.abs().max().clamp_min(1e-6)
-        return address if bool(close) else None
+            for block in GEMV_BLOCKS:
+                if torch.ops.mkldnn._nbytes(self.packed) != -(-self.out_features // block) * block * self.in_features * 2:
+                    continue
+                ours = cpu_kernels.packed_gemv(x, address, self.in_features, self.out_features,
+                                               self._bias_for_kernel(), block).float()
+                if bool((ours - theirs).abs().max() <= 2e-2 * theirs.abs().max().clamp_min(1e-6)):
+                    self.gemv_address, self.gemv_block = address, block
+                    return True
+        return False
 
     def _bias_for_kernel(self) -> torch.Tensor | None:
         if self.bias is None:
@@ -103,7 +121,8 @@ class PackedLinear(nn.Module):
                 and cpu_kernels.enabled()):
             rows = x.reshape(-1, self.in_features)  # a decode step's few rows: the memory-speed kernel
             out = cpu_kernels.packed_gemv(rows if rows.is_contiguous() else rows.contiguous(), self.gemv_address,
-                                          self.in_features, self.out_features, self._bias_for_kernel())
+                                          self.in_features, self.out_features, self._bias_for_kernel(),
+                                          self.gemv_block)
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -116,7 +135,7 @@ class PackedLinear(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> PackedLinear:
         """A copy packed anew from the dense weight (oneDNN's opaque tensors have no storage to copy)."""
-        copied = PackedLinear(self.dense())
+        copied = PackedLinear(self.dense(), (self.rows_hint,))
         copied.bias = copy.deepcopy(self.bias, memo)
         memo[id(self)] = copied
         return copied
@@ -133,15 +152,16 @@ def _swap(model: nn.Module, kind: type, make) -> int:
     return len(swaps)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every bf16 CPU `nn.Linear` in `model` for a `PackedLinear` in place; returns how many. A
-    no-op (0) where oneDNN's ops are missing, the model is not bf16, or it is not on the CPU."""
+def pack_linears(model: nn.Module, rows_hints: tuple[int, ...] = ROWS_HINTS) -> int:
+    """Swap every bf16 CPU `nn.Linear` in `model` for a `PackedLinear` (packed for `rows_hints`' rows, see
+    ROWS_HINTS) in place; returns how many. A no-op (0) where oneDNN's ops are missing, the model is not bf16,
+    or it is not on the CPU."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     if not linears or not packing_available() or any(
             m.weight.dtype != torch.bfloat16 or m.weight.device.type != "cpu" for m in linears):
         return 0
     with torch.no_grad():
-        return _swap(model, nn.Linear, PackedLinear)
+        return _swap(model, nn.Linear, lambda linear: PackedLinear(linear, rows_hints))
 
 
 def unpack_linears(model: nn.Module) -> int:
