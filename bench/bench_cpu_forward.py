@@ -1,7 +1,7 @@
 """How fast the base forward runs on this CPU: the engine's full prefill (the path every method's forward
 takes) at 1K/2K/4K tokens in float32, bfloat16 (linears over oneDNN-prepacked weights, as `load_model`
-leaves a bf16 CPU model), `bfloat16-onerow` (packed for one row only, the layout used before 2026-12-07) and
-`bfloat16-dense` (plain linears), as effective GFLOP/s against the
+leaves a bf16 CPU model), `bfloat16-onerow` (packed for one row only, the layout used before 2026-12-07),
+`bfloat16-torchlayers` (norms and MLPs on torch's ops, not `kernel_layers`) and `bfloat16-dense` (plain linears), as effective GFLOP/s against the
 best GEMM the cores reach in the same run, and one decode step at the same context. Prints one table;
 `--json` writes the rows.
 
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from cacheclip_rag.stages.load.ingest import kv_layout, new_cache  # noqa: E402
 from cacheclip_rag.models.loading import LoadedModel, cpu_has_native_bf16, load_model, text_config  # noqa: E402
+from cacheclip_rag.models.kernel_layers import use_kernel_layers  # noqa: E402
 from cacheclip_rag.models.packed_linear import PackedLinear, pack_linears  # noqa: E402
 from cacheclip_rag.stages.recompute.forward import forward_at  # noqa: E402
 
@@ -84,11 +85,14 @@ def base_dtype(variant: str) -> str:
 
 
 def load_variant(model: str, variant: str) -> LoadedModel:
-    """`variant`: a dtype, with "-dense" (linears left unpacked) or "-onerow" (packed for one row only, the
-    layout before `ROWS_HINTS`, so the many-row layout's gain is measured beside it)."""
+    """`variant`: a dtype, with "-dense" (linears left unpacked), "-onerow" (packed for one row only, the layout
+    before `ROWS_HINTS`) or "-torchlayers" (norms and MLPs on torch's ops, not `kernel_layers`), so each gain is
+    measured beside the default."""
     lm = load_model(model, dtype=base_dtype(variant), prepack=not variant.endswith(("-dense", "-onerow")))
     if variant.endswith("-onerow"):
         pack_linears(lm.model, (1,))
+    if variant.endswith("-torchlayers"):
+        use_kernel_layers(lm.model, on=False)
     return lm
 
 
@@ -101,7 +105,7 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    dtypes = args.dtypes.split(",")  # a dtype's name; "-dense": its linears left unpacked; "-onerow": packed for one row
+    dtypes = args.dtypes.split(",")  # a dtype's name, or a variant of it (load_variant)
     models = {d: load_variant(args.model, d) for d in dtypes}
     peaks = {d: gemm_peak(getattr(torch, base_dtype(d))) for d in dtypes}
     vocab = models[dtypes[0]].config.vocab_size

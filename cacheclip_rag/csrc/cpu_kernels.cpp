@@ -11,6 +11,8 @@
 //   paired over two keys once a call, so scores and p V both run on vdpbf16ps; the online softmax runs over
 //   64-key steps; the query heads of a KV head share every key load. p is rounded to bf16 for p V, as torch's
 //   CPU flash attention does.
+// silu_mul, rms_norm: a gated MLP's silu(gate) * up and an RMSNorm in one pass each over bf16 rows, rounding where
+//   torch's ops round between them (transformers' Qwen2/Llama forwards), so only the order of a row's sum differs.
 // All accumulate in float32 and round once to bf16, as oneDNN and sdpa do; only the order of sums differs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -153,6 +155,101 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t in_f
     }
   });
   return y;
+}
+
+inline __m512 load_bf16_from(__m256bh v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
+}
+inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 load_bf16_tail(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline __m512 round_bf16(__m512 v) {  // to the nearest bf16 (even on ties) and back: torch's rounding of a bf16 op
+  return load_bf16_from(_mm512_cvtneps_pbh(v));
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() >= 1,
+              what, " takes contiguous bf16 CPU tensors");
+}
+
+// silu(gate) * up, each op rounded to bf16 as torch's `act_fn(gate) * up` rounds: silu in float32 of the bf16 gate,
+// rounded; times up in float32, rounded. silu(x) = x * sigmoid(x), sigmoid from exp(-|x|) (never overflows).
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(gate, "silu_mul");
+  check_rows(up, "silu_mul");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up of one shape, got ", gate.sizes(), " and ", up.sizes());
+  auto out = at::empty_like(gate);
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(gate.data_ptr());
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(up.data_ptr());
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t n = gate.numel();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  auto step = [&](__m512 x, __m512 y) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));  // exp(-|x|) <= 1
+    const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);  // x < 0: e / (1 + e)
+    return _mm512_mul_ps(round_bf16(_mm512_mul_ps(x, sigmoid)), y);
+  };
+  at::parallel_for(0, (n + 15) / 16, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t i = b * 16;
+      if (i + 16 <= n) {
+        _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(step(load_bf16(g + i), load_bf16(u + i))));
+      } else {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(step(load_bf16_tail(g + i, m),
+                                                                             load_bf16_tail(u + i, m))));
+      }
+    }
+  });
+  return out;
+}
+
+// An RMSNorm over the last dimension as transformers' Qwen2/Llama RMSNorm computes it: x in float32 times
+// 1/sqrt(mean(x^2) + eps), rounded to bf16, times the bf16 weight, rounded again.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  check_rows(weight, "rms_norm");
+  const int64_t width = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width && width > 0,
+              "rms_norm: a weight of the rows' width ", width, ", got ", weight.sizes());
+  auto out = at::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t rows = x.numel() / width, full = width / 16 * 16;
+  const __mmask16 tail = (__mmask16)((1u << (width - full)) - 1);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = xp + r * width;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < full; i += 16) {
+        const __m512 v = load_bf16(row + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));  // x^2 rounded, then summed, as pow(2).mean()
+      }
+      if (tail) {
+        const __m512 v = load_bf16_tail(row + full, tail);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+      }
+      const float variance = _mm512_reduce_add_ps(acc) / (float)width;
+      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(variance + (float)eps));
+      uint16_t* dst = op + r * width;
+      for (int64_t i = 0; i < full; i += 16) {
+        const __m512 v = _mm512_mul_ps(load_bf16(wp + i), round_bf16(_mm512_mul_ps(load_bf16(row + i), scale)));
+        _mm256_storeu_si256((__m256i*)(dst + i), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+      if (tail) {
+        const __m512 v = _mm512_mul_ps(load_bf16_tail(wp + full, tail),
+                                       round_bf16(_mm512_mul_ps(load_bf16_tail(row + full, tail), scale)));
+        _mm256_mask_storeu_epi16(dst + full, tail, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  });
+  return out;
 }
 
 constexpr int64_t kTile = 128;  // keys an online-softmax step (a multiple of 16)
@@ -487,6 +584,8 @@ TORCH_LIBRARY(cacheclip_cpu, m) {
   m.def("packed_gemv(Tensor x, int weight_address, int in_features, int out_features, Tensor? bias, int block=64) -> Tensor",
         &packed_gemv);
   m.def("one_row_attention(Tensor query, Tensor key, Tensor value, float scaling) -> Tensor", &one_row_attention);
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &silu_mul);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("positioned_attention(Tensor query, Tensor positions, Tensor key, Tensor value, float scaling) -> Tensor",
         &positioned_attention);
 }

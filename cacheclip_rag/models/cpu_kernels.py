@@ -11,6 +11,8 @@ attention through torch's `mm`s cost ~0.2-0.3 ms a layer over a 2K-4K cache, for
   (prefill) keep oneDNN, which is compute-bound there and fast.
 - `one_row_attention`: one query row of each head over a bf16 cache, the query heads of a KV head together,
   key ranges split over the threads and merged by log-sum-exp.
+- `silu_mul`, `rms_norm`: a gated MLP's silu(gate) * up and an RMSNorm, each in one pass over the rows
+  (`kernel_layers` puts them in a bf16 model's layers).
 - `positioned_attention`: many query rows at given positions, each over the keys up to its position: a
   causal prefill, or CacheClip's scattered recompute rows. torch's CPU flash kernel ran ~120-140 GFLOP/s
   here; this one ~210-270 (scores and p V both on `vdpbf16ps`, the heads of a KV head sharing each key load).
@@ -159,6 +161,16 @@ def packed_gemv(x: torch.Tensor, weight_address: int, in_features: int, out_feat
     oneDNN-packed weight at `weight_address` laid out in blocks of `block` (32 or 64) outputs (see
     `packed_linear.PackedLinear`), plus `bias`; M may be 0."""
     return torch.ops.cacheclip_cpu.packed_gemv(x, weight_address, in_features, out_features, bias, block)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for contiguous bf16 CPU tensors of one shape, each op rounded to bf16 as torch rounds it."""
+    return torch.ops.cacheclip_cpu.silu_mul(gate, up)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen2/Llama RMSNorm of contiguous bf16 CPU rows x [..., W] with a bf16 weight [W]."""
+    return torch.ops.cacheclip_cpu.rms_norm(x, weight, float(eps))
 
 
 def _over_a_bf16_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

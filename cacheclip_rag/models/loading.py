@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from ..config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
 from .cpu_allocator import keep_freed_memory
+from .kernel_layers import use_kernel_layers
 from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
 from .sources import check_model_source
 
@@ -329,10 +330,11 @@ def load_model(
         caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
         caps.update({name: str(value) for name, value in keep_freed_memory().items()})
         packed = pack_linears(model) if prepack else 0
+        fused = use_kernel_layers(model)
         native_bf16 = cpu_has_native_bf16()
-        log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked%s", name,
+        log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked, %d norms and MLPs on kernels%s", name,
                  str(torch_dtype).removeprefix("torch."), "native bf16" if native_bf16 else
-                 "no native bf16", torch.get_num_threads(), packed,
+                 "no native bf16", torch.get_num_threads(), packed, fused,
                  "".join(f", {k}={v}" for k, v in caps.items()))
         if torch_dtype == torch.bfloat16 and not native_bf16:
             log.warning("%s: bfloat16 on a CPU without native bf16 is emulated, ~4x slower than float32 here "
