@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
-from .cpu_allocator import keep_freed_memory
+from .cpu_allocator import keep_freed_memory, large_blocks_mapped
 from .kernel_layers import use_kernel_layers
 from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
 from .sources import check_model_source
@@ -306,29 +306,30 @@ def load_model(
     name = str(source)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     torch_dtype = resolve_dtype(dtype, device)
-    if name in EMBEDDED:
-        template = GEMMA_CHAT_TEMPLATE if name == "gemma3-270m" else None
-        if name == "gemma3-270m":
-            prompt = prompt or PromptFormat.completion()
-        elif name == "smollm2-135m":
-            prompt = prompt or PromptFormat.chatml()
-        folder = convert_gguf(embedded_gguf(name, cache), cache, chat_template=template)  # Qwen: its own template, below
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"model {name!r} is neither an embedded default {sorted(EMBEDDED)} nor a path")
-        check_model_source(path)  # a folder without weights, an encoder, a seq2seq model: one clear line
-        folder = convert_gguf(path, cache) if path.suffix == ".gguf" else path
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    if name == "gemma3-270m":  # folders converted before the template closed its system turn carry the old one
-        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
-    model.to(device)
+    with large_blocks_mapped():  # a load's large temporaries go back to the system (cpu_allocator)
+        if name in EMBEDDED:
+            template = GEMMA_CHAT_TEMPLATE if name == "gemma3-270m" else None
+            if name == "gemma3-270m":
+                prompt = prompt or PromptFormat.completion()
+            elif name == "smollm2-135m":
+                prompt = prompt or PromptFormat.chatml()
+            folder = convert_gguf(embedded_gguf(name, cache), cache, chat_template=template)  # Qwen: its own template, below
+        else:
+            path = Path(source)
+            if not path.exists():
+                raise FileNotFoundError(f"model {name!r} is neither an embedded default {sorted(EMBEDDED)} nor a path")
+            check_model_source(path)  # a folder without weights, an encoder, a seq2seq model: one clear line
+            folder = convert_gguf(path, cache) if path.suffix == ".gguf" else path
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if name == "gemma3-270m":  # folders converted before the template closed its system turn carry the old one
+            tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
+        model.to(device)
     loaded = LoadedModel(name=name, model=model, tokenizer=tokenizer, prompt=prompt or default_prompt(tokenizer))
     if torch.device(device).type == "cpu":
         fit_threads_to_cores()
         caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
-        caps.update({name: str(value) for name, value in keep_freed_memory().items()})
+        caps.update({key: str(value) for key, value in keep_freed_memory().items()})
         packed = pack_linears(model) if prepack else 0
         fused = use_kernel_layers(model)
         native_bf16 = cpu_has_native_bf16()
