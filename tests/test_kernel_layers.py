@@ -13,6 +13,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
 from cacheclip_rag.models import cpu_kernels
 from cacheclip_rag.models.kernel_layers import use_kernel_layers
+from cacheclip_rag.models.loading import load_model
+from cacheclip_rag.testing import tiny_model
 
 BF16_CPU = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 needs_kernels = pytest.mark.skipif(not (BF16_CPU and cpu_kernels.available()),
@@ -113,3 +115,13 @@ def test_float32_models_and_other_modules_are_left_alone():
     assert all(type(m) in (Qwen2RMSNorm, Qwen2MLP) for m in model.modules() if isinstance(m, (Qwen2RMSNorm, Qwen2MLP)))
     layer_norm = nn.Sequential(nn.LayerNorm(8)).to(torch.bfloat16)
     assert use_kernel_layers(layer_norm) == 0
+
+
+@needs_kernels
+def test_load_model_puts_a_bf16_models_layers_on_the_kernels(tmp_path):
+    small_bf16_qwen2().save_pretrained(tmp_path)
+    tiny_model("qwen2").tokenizer.save_pretrained(tmp_path)
+    bf16, fp32 = load_model(tmp_path, dtype="bfloat16"), load_model(tmp_path, dtype="float32")
+    on = [m for m in bf16.model.modules() if isinstance(m, (Qwen2RMSNorm, Qwen2MLP))]
+    assert len(on) == 7 and all(type(m) not in (Qwen2RMSNorm, Qwen2MLP) for m in on)
+    assert all(type(m) in (Qwen2RMSNorm, Qwen2MLP) for m in fp32.model.modules() if isinstance(m, (Qwen2RMSNorm, Qwen2MLP)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import platform
@@ -38,7 +39,9 @@ ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_
 _applied: dict[str, int] = {}
 
 
+@functools.cache
 def _mallopt() -> ctypes._CFuncPtr | None:
+    """libc's `mallopt`, None where there is none (looked up once: `find_library` runs ldconfig)."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
