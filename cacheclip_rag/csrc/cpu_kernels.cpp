@@ -29,8 +29,12 @@
 
 namespace {
 
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+inline __m512 bf16x16_to_f32(__m256i bits) {  // 16 bf16 values (their bit patterns) widened to float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 bf16x16_to_f32(const uint16_t* p) { return bf16x16_to_f32(_mm256_loadu_si256((const __m256i*)p)); }
+inline __m512 bf16x16_to_f32(const uint16_t* p, __mmask16 m) {  // the first lanes of m; zeros past them
+  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
 }
 
 inline float bf16_to_f32(uint16_t v) {
@@ -157,17 +161,8 @@ at::Tensor packed_gemv(const at::Tensor& x, int64_t weight_address, int64_t in_f
   return y;
 }
 
-inline __m512 load_bf16_from(__m256bh v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)v), 16));
-}
-inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load_bf16_tail(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
 inline __m512 round_bf16(__m512 v) {  // to the nearest bf16 (even on ties) and back: torch's rounding of a bf16 op
-  return load_bf16_from(_mm512_cvtneps_pbh(v));
+  return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 void check_rows(const at::Tensor& t, const char* what) {
@@ -200,11 +195,11 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t i = b * 16;
       if (i + 16 <= n) {
-        _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(step(load_bf16(g + i), load_bf16(u + i))));
+        _mm256_storeu_si256((__m256i*)(o + i), (__m256i)_mm512_cvtneps_pbh(step(bf16x16_to_f32(g + i), bf16x16_to_f32(u + i))));
       } else {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
-        _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(step(load_bf16_tail(g + i, m),
-                                                                             load_bf16_tail(u + i, m))));
+        _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(step(bf16x16_to_f32(g + i, m),
+                                                                             bf16x16_to_f32(u + i, m))));
       }
     }
   });
@@ -230,23 +225,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       const uint16_t* row = xp + r * width;
       __m512 acc = _mm512_setzero_ps();
       for (int64_t i = 0; i < full; i += 16) {
-        const __m512 v = load_bf16(row + i);
+        const __m512 v = bf16x16_to_f32(row + i);
         acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));  // x^2 rounded, then summed, as pow(2).mean()
       }
       if (tail) {
-        const __m512 v = load_bf16_tail(row + full, tail);
+        const __m512 v = bf16x16_to_f32(row + full, tail);
         acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
       }
       const float variance = _mm512_reduce_add_ps(acc) / (float)width;
       const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(variance + (float)eps));
       uint16_t* dst = op + r * width;
       for (int64_t i = 0; i < full; i += 16) {
-        const __m512 v = _mm512_mul_ps(load_bf16(wp + i), round_bf16(_mm512_mul_ps(load_bf16(row + i), scale)));
+        const __m512 v = _mm512_mul_ps(bf16x16_to_f32(wp + i), round_bf16(_mm512_mul_ps(bf16x16_to_f32(row + i), scale)));
         _mm256_storeu_si256((__m256i*)(dst + i), (__m256i)_mm512_cvtneps_pbh(v));
       }
       if (tail) {
-        const __m512 v = _mm512_mul_ps(load_bf16_tail(wp + full, tail),
-                                       round_bf16(_mm512_mul_ps(load_bf16_tail(row + full, tail), scale)));
+        const __m512 v = _mm512_mul_ps(bf16x16_to_f32(wp + full, tail),
+                                       round_bf16(_mm512_mul_ps(bf16x16_to_f32(row + full, tail), scale)));
         _mm256_mask_storeu_epi16(dst + full, tail, (__m256i)_mm512_cvtneps_pbh(v));
       }
     }

@@ -32,6 +32,7 @@ from . import cpu_kernels
 # sample (an evaluation at 7 GB after 40 samples, 10 GB after 80), ~1.6 GB over 600 linears of random row
 # counts. 16 entries each hold every shape a decode step repeats; measured there: growth stops at ~0.3 GB.
 ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_CAPACITY = 16
 
 # The row count oneDNN packs a weight for. For one row (a decode step) it lays a weight out in blocks of 64 outputs;
 # for 16 rows or more, on AMX, in blocks of 32, and a many-row product over the one-row layout reorders the weight
@@ -41,7 +42,6 @@ ONEDNN_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 # cannot read the many-row layout (decode keeps its kernel either way).
 ROWS_HINTS = (64, 1)
 GEMV_BLOCKS = (32, 64)  # the output blocks `packed_gemv` reads
-ONEDNN_CACHE_CAPACITY = 16
 
 
 def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
@@ -76,19 +76,17 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.gemv_address, self.gemv_block = None, GEMV_BLOCKS[-1]
+        readable = self.in_features % 2 == 0 and cpu_kernels.available()  # else oneDNN runs every row
         for rows_hint in rows_hints:  # the prefill layout, unless only the decode layout lets the kernel read it
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
             self.rows_hint = rows_hint
-            if self._find_gemv_layout() or not cpu_kernels.available() or self.in_features % 2:
+            if not readable or self._find_gemv_layout():
                 break
 
     def _find_gemv_layout(self) -> bool:
         """Set `gemv_address` and `gemv_block` where `cpu_kernels.packed_gemv` reads the packed weight right:
         its byte size is a layout's ([ceil(O/B)][I/2][B][2] bf16, B in GEMV_BLOCKS) and its product for a
-        random row equals oneDNN's to bf16 rounding. Else (no kernels, an odd input width, another layout)
-        `gemv_address` stays None and oneDNN runs every row."""
-        if self.in_features % 2 or not cpu_kernels.available():
-            return False
+        random row equals oneDNN's to bf16 rounding. Else (another layout) `gemv_address` stays None."""
         address = torch.ops.mkldnn.data_ptr(self.packed)
         generator = torch.Generator().manual_seed(self.in_features * 7919 + self.out_features)
         x = torch.randn(1, self.in_features, generator=generator).to(torch.bfloat16)
