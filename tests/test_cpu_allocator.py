@@ -43,7 +43,7 @@ MB = 1 << 20
 
 def probe(mode: str, **env: str) -> list[int]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, timeout=300,
                          env=environment, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return [int(x) for x in out.stdout.split()]
 
