@@ -30,6 +30,12 @@ Settings (each engine at its best on this machine):
                    for decode and batch; its single-slot server queues concurrent requests only with
                    --interrupt_requests false (by default a new request cancels the running one: empty answers)
 
+`--isa avx2` runs every engine as on an AVX2-only CPU, on whatever host this is: torch's kernels at AVX2
+(`ATEN_CPU_CAPABILITY`), MKL's and oneDNN's products too (`MKL_ENABLE_INSTRUCTIONS`, `ONEDNN_MAX_CPU_ISA`), so
+cacheclip resolves "auto" to float32 and leaves its AVX-512 kernels off (`models/cpu_features.py`); llama.cpp
+built with AVX2, FMA and F16C only (`LLAMA_CPP_ISA=avx2` in setup_llamacpp.sh). The instructions are an AVX2
+machine's; the clock, caches and memory stay the host's. vLLM's CPU wheel is built for AVX-512: not run there.
+
 Rows append to `--rows` (JSONL; cells done are skipped on a rerun); the tables, `--json` and the PNG are made
 from all rows. (Rows before 2026-12-06's evening: `cpu_anchors*.jsonl`, 8 requests a cell, answers unscored.)
 
@@ -74,6 +80,9 @@ ANCHORS = Path(os.environ.get("CACHECLIP_ANCHORS", Path.home() / ".cache/cachecl
 MODEL = "qwen2.5-coder-0.5b"
 # vLLM's OpenMP threads: both cores to compute, or one (its CPU guide leaves a core to the API server)
 VLLM_LAYOUTS = {"vllm": "0-1", "vllm-1core": "0"}
+# --isa avx2: every engine held to an AVX2-only CPU's instructions (module doc)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "LLAMA_CPP_ISA": "avx2"}
 
 
 async def one(client: AsyncOpenAI, model: str, chunks: list[str], question: str, max_tokens: int, extra: dict) -> dict:
@@ -236,6 +245,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def isa_settings() -> dict:
+    """The instruction-set caps the engines run under (`--isa avx2`), for a row's settings; none: {}."""
+    return {name: os.environ[name] for name in AVX2_ENV if name in os.environ}
+
+
 def serve_cacheclip(name: str, port: int, store: str, pool: list[str], measure) -> None:
     """`cacheclip serve` in its own process (as the other servers are: in this one, the clients' asyncio loop
     would share the GIL with the server's decode loop), the pool ingested behind the clients' system prompt
@@ -247,7 +261,7 @@ def serve_cacheclip(name: str, port: int, store: str, pool: list[str], measure) 
         started = time.perf_counter()
         response = httpx.post(url + "/v1/ingest", json={"documents": pool, "system": SYSTEM}, timeout=3600)
         response.raise_for_status()
-        settings = {"command": " ".join(command[1:]), "method": name,
+        settings = {"command": " ".join(command[1:]), "method": name, **isa_settings(),
                     "dtype": str(resolve_dtype("auto", "cpu")).removeprefix("torch."),
                     "ingest_s": time.perf_counter() - started, "ingest_documents": len(pool),
                     "ingest_response": {k: v for k, v in response.json().items() if k != "ids"}}
@@ -266,10 +280,21 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40,
                    help="new tokens: enough for the longest right answer (the director's full name)")
     p.add_argument("--port", type=int, default=8790)
-    p.add_argument("--rows", default=str(ROOT / "bench/results/cpu_anchors_quality.jsonl"))
-    p.add_argument("--json", default=str(ROOT / "bench/results/cpu_anchors_quality.json"))
-    p.add_argument("--png", default=str(ROOT / "bench/results/cpu_anchors_quality.png"))
+    p.add_argument("--isa", default="native", choices=("native", "avx2"),
+                   help="avx2: every engine as on an AVX2-only CPU (module doc); default rows cpu_anchors_avx2.*")
+    p.add_argument("--rows", help="default bench/results/cpu_anchors_quality.jsonl (--isa avx2: cpu_anchors_avx2.jsonl)")
+    p.add_argument("--json", help="default: --rows' name with .json")
+    p.add_argument("--png", help="default: --rows' name with .png")
     args = p.parse_args()
+    stem = ROOT / "bench/results" / ("cpu_anchors_avx2" if args.isa == "avx2" else "cpu_anchors_quality")
+    args.rows = args.rows or str(stem.with_suffix(".jsonl"))
+    args.json = args.json or str(Path(args.rows).with_suffix(".json"))
+    args.png = args.png or str(Path(args.rows).with_suffix(".png"))
+    if args.isa == "avx2":
+        if vllms := [e for e in args.engines.split(",") if e in VLLM_LAYOUTS]:
+            raise SystemExit(f"--isa avx2: vLLM's CPU wheel is built for AVX-512, so {', '.join(vllms)} cannot run as on "
+                             "an AVX2 machine; leave it out of --engines")
+        os.environ.update(AVX2_ENV)  # before any engine or setup script starts: they inherit it
     rows_path = Path(args.rows)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     done = {(r["engine"], r["workload"], r["prompt"], r["clients"]) for r in rows}
@@ -327,7 +352,7 @@ def main() -> int:
                        "--model_alias", MODEL, "--n_ctx", "8192", "--n_threads", "2", "--n_threads_batch", "2",
                        "--flash_attn", "true", "--interrupt_requests", "false", "--port", str(args.port + 2)]
             with external(command, {}, url := f"http://127.0.0.1:{args.port + 2}", ANCHORS / "llamacpp.log"):
-                measure(name, url, MODEL, {}, {"command": " ".join(command[1:])})
+                measure(name, url, MODEL, {}, {"command": " ".join(command[1:]), **isa_settings()})
         else:
             raise SystemExit(f"unknown engine {name!r}: cacheclip, full, {', '.join(VLLM_LAYOUTS)}, llamacpp")
     table, versus = summarize(rows), comparisons(rows)

@@ -21,7 +21,8 @@ Both accumulate in float32 and round once to bf16, as oneDNN and torch's paths d
 sums differs (results agree to bf16 rounding, tests/test_cpu_kernels.py). They are built on first use with
 torch's own extension builder (g++ and ninja, ~10 s; cached under `TORCH_EXTENSIONS_DIR`), with OpenMP so
 they run on torch's own thread pool (the same libgomp). Where the CPU lacks AVX-512 BF16, no compiler is
-found, the build fails or `CACHECLIP_CPU_KERNELS=0` is set, `available()` is False, the reason is logged
+found, the build fails, `CACHECLIP_CPU_KERNELS=0` is set or the operator capped the instruction set below
+AVX-512 BF16 (`cpu_features.isa_cap`), `available()` is False, the reason is logged
 once, and every caller keeps its torch path.
 """
 
@@ -36,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from . import cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,11 @@ def _why_not() -> str | None:
     """None where the kernels may be built here; else the reason they are not."""
     if os.environ.get("CACHECLIP_CPU_KERNELS", "1") == "0":
         return SWITCHED_OFF
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    if probe is None or not probe():
+    if not cpu_features.cpu_has_avx512_bf16():
         return NO_BF16
+    cap = cpu_features.isa_cap()
+    if cap is not None:
+        return f"{cap} holds this process below AVX-512 BF16"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler on PATH"
     return None
@@ -67,7 +72,8 @@ def _why_not() -> str | None:
 def _could_run() -> bool:
     """Whether this CPU could run the kernels and they were not switched off: where not using them loses
     their speed-up."""
-    return _why_not() not in (SWITCHED_OFF, NO_BF16)
+    reason = _why_not()
+    return reason not in (SWITCHED_OFF, NO_BF16) and cpu_features.isa_cap() is None
 
 
 def _put_ninja_on_path() -> None:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re-exported
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
+from . import cpu_features
 from .cpu_allocator import keep_freed_memory, large_blocks_mapped
 from .kernel_layers import use_kernel_layers
 from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
@@ -252,10 +253,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles): there bf16 GEMMs run
-    ~2.2x float32's (bench/bench_cpu_forward.py's peaks); elsewhere bf16 is emulated and slower than float32."""
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(probe() for probe in probes if probe is not None)
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles) and no setting caps it
+    (`cpu_features.isa_cap`): there bf16 GEMMs run ~2.2x float32's (bench/bench_cpu_forward.py's peaks);
+    elsewhere bf16 is emulated and slower than float32."""
+    return cpu_features.has_native_bf16()
 
 
 def fit_threads_to_cores() -> int:
