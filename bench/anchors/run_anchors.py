@@ -26,7 +26,8 @@ Settings (each engine at its best on this machine):
                    pool; `vllm`: VLLM_CPU_OMP_THREADS_BIND=0-1 (both cores compute; its default here is one
                    thread), `vllm-1core`: =0 (one core computes, the other left to its API server, as its CPU
                    guide advises): both measured, the better one per cell is the anchor
-  llamacpp         `llama-cpp-python[server]` (bench/anchors/setup_llamacpp.sh, built for this CPU) on the
+  llamacpp         `llama-cpp-python[server]` (bench/anchors/setup_llamacpp.sh, built for this CPU, or
+                   for LLAMA_CPP_ISA's: avx512 leaves out the AMX path that segfaults on AMX hosts) on the
                    embedded Q4_K_M GGUF (the weights our models are converted from): --flash_attn, 2 threads
                    for decode and batch; its single-slot server queues concurrent requests only with
                    --interrupt_requests false (by default a new request cancels the running one: empty answers)

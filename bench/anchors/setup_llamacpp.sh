@@ -8,7 +8,7 @@
 # AVX-512 + AMX build came back for an AVX2 one). Built for this CPU (GGML_NATIVE=ON: AVX-512, VNNI, BF16
 # where present), or, with LLAMA_CPP_ISA=avx2, for an AVX2-only CPU (AVX2, FMA, F16C; no AVX-512, no AMX):
 # llama.cpp as it runs on such a machine, which also runs on an AMX host, where the native build segfaults
-# (ggml-org/llama.cpp#20824).
+# (ggml-org/llama.cpp#20824); LLAMA_CPP_ISA=avx512: AVX-512 (VNNI, BF16) without AMX, its best there.
 set -euo pipefail
 anchors=${CACHECLIP_ANCHORS:-$HOME/.cache/cacheclip_rag/anchors}
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
@@ -19,7 +19,11 @@ case "$isa" in
           cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
           cmake_args="$cmake_args -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF"
           cmake_args="$cmake_args -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
-    *) echo "LLAMA_CPP_ISA must be native or avx2, got '$isa'" >&2; exit 2 ;;
+    avx512) suffix="-avx512"  # AVX-512 with VNNI and BF16, no AMX: llama.cpp at its best on an AMX host
+          cmake_args="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+          cmake_args="$cmake_args -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+          cmake_args="$cmake_args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" ;;
+    *) echo "LLAMA_CPP_ISA must be native, avx2 or avx512, got '$isa'" >&2; exit 2 ;;
 esac
 venv=$anchors/llama-cpp-python-$version$suffix
 wheels=$anchors/wheels$suffix
