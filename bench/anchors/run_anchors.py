@@ -82,9 +82,9 @@ ANCHORS = Path(os.environ.get("CACHECLIP_ANCHORS", Path.home() / ".cache/cachecl
 MODEL = "qwen2.5-coder-0.5b"
 # vLLM's OpenMP threads: both cores to compute, or one (its CPU guide leaves a core to the API server)
 VLLM_LAYOUTS = {"vllm": "0-1", "vllm-1core": "0"}
-# --isa avx2: every engine held to an AVX2-only CPU's instructions (module doc)
 # the peers a cell's best is taken from: the lower p50 of those that ran there
 PEERS = (*VLLM_LAYOUTS, "llamacpp")
+# --isa avx2: every engine held to an AVX2-only CPU's instructions (module doc)
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "LLAMA_CPP_ISA": "avx2"}
 

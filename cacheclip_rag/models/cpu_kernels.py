@@ -53,6 +53,7 @@ _state: dict[str, object] = {}
 
 SWITCHED_OFF = "CACHECLIP_CPU_KERNELS=0"
 NO_BF16 = "this CPU has no AVX-512 BF16"
+CAPPED = "holds this process below AVX-512 BF16"  # after the setting that does (`cpu_features.isa_cap`)
 
 
 def _why_not() -> str | None:
@@ -63,7 +64,7 @@ def _why_not() -> str | None:
         return NO_BF16
     cap = cpu_features.isa_cap()
     if cap is not None:
-        return f"{cap} holds this process below AVX-512 BF16"
+        return f"{cap} {CAPPED}"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler on PATH"
     return None
@@ -73,7 +74,7 @@ def _could_run() -> bool:
     """Whether this CPU could run the kernels and they were not switched off: where not using them loses
     their speed-up."""
     reason = _why_not()
-    return reason not in (SWITCHED_OFF, NO_BF16) and cpu_features.isa_cap() is None
+    return reason not in (SWITCHED_OFF, NO_BF16) and not (reason or "").endswith(CAPPED)
 
 
 def _put_ninja_on_path() -> None:
