@@ -3,9 +3,10 @@ own `generate` (a copy of the model loaded apart, on transformers' sdpa attentio
 same prompt, and against the engine with its linears left dense (`load_model(prepack=False)`: what the
 prepacked oneDNN weights of `packed_linear` gain), and against the engine with each step run through
 transformers' forward (`recompute.forward_at`) instead of `decode_step`'s lean loop (what the lean step
-gains), and against the engine with the CPU decode kernels switched off (`cpu_kernels.set_enabled(False)`:
-what they gain), in the same run (rotating, repeated). All in the dtype "auto" picks. Prints one table; `--json`
-writes the rows.
+gains), and against the engine with the CPU decode kernels switched off (`cpu_kernels.set_enabled(False)` and,
+for a float32 model on an AVX2 CPU, `half_gemv.set_enabled(False)`: what they gain), in the same run (rotating,
+repeated). All in the dtype "auto" picks. Beside the rates, whether each variant's tokens equal the engine's with
+the kernels off (float32 or bf16 weights read as they are). Prints one table; `--json` writes the rows.
 
 The engine's rate is its own decode timing (tokens after the first over the time after TTFT). For
 `generate`, prefill is taken out by difference: the time of `max_new_tokens = n + 1` minus that of
@@ -30,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.models import cpu_kernels  # noqa: E402
+from cacheclip_rag.models import cpu_kernels, half_gemv  # noqa: E402
 from cacheclip_rag.cli import demo_chunks  # noqa: E402
 from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine.core import Engine  # noqa: E402
@@ -47,17 +48,21 @@ def chunks_of(engine: Engine, tokens: int) -> list[str]:
     return out
 
 
-def engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool = True, kernels: bool = True) -> float:
+def engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool = True, kernels: bool = True,
+                answers: list[str] | None = None) -> float:
     """`lean=False`: every step through `forward_at`, as before `decode_step` existed. `kernels=False`: the
-    CPU decode kernels switched off for this run (torch's and oneDNN's paths)."""
-    cpu_kernels.set_enabled(kernels)
+    CPU decode kernels switched off for this run (torch's, oneDNN's and MKL's paths). The answer's text is
+    appended to `answers`."""
+    for kernel in (cpu_kernels, half_gemv):
+        kernel.set_enabled(kernels)
     try:
-        return _engine_rate(engine, chunks, tokens, lean)
+        return _engine_rate(engine, chunks, tokens, lean, answers if answers is not None else [])
     finally:
-        cpu_kernels.set_enabled(True)
+        for kernel in (cpu_kernels, half_gemv):
+            kernel.set_enabled(True)
 
 
-def _engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool) -> float:
+def _engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool, answers: list[str]) -> float:
     options = RequestOptions(method="shared_prefix", max_new_tokens=tokens + 1, prompt_stops=False)
     plan = engine.plan("What does the handbook say?", chunks, options)
     prefill = engine.prefill(plan, options)
@@ -65,7 +70,11 @@ def _engine_rate(engine: Engine, chunks: list[str], tokens: int, lean: bool) -> 
     stream.decoder.lean = stream.decoder.lean and lean
     for _ in stream:
         pass
+    answers.append(stream.answer.text)
     return stream.answer.timings.decode_tokens_per_s
+
+
+ENGINE_RUNS = ("engine", "engine_dense", "engine_forward_at", "engine_no_kernels")
 
 
 def generate_rate(engine: Engine, model, chunks: list[str], tokens: int) -> float:
@@ -100,10 +109,13 @@ def main() -> int:
     for length in (int(x) for x in args.lengths.split(",")):
         chunks = chunks_of(engine, length)
         engine.ingest(chunks, progress=False)
-        runs = {"engine": lambda: engine_rate(engine, chunks, args.tokens),
-                "engine_dense": lambda: engine_rate(dense, chunks, args.tokens),
-                "engine_forward_at": lambda: engine_rate(engine, chunks, args.tokens, lean=False),
-                "engine_no_kernels": lambda: engine_rate(engine, chunks, args.tokens, kernels=False),
+        texts: dict[str, list[str]] = {name: [] for name in ENGINE_RUNS}
+        runs = {"engine": lambda: engine_rate(engine, chunks, args.tokens, answers=texts["engine"]),
+                "engine_dense": lambda: engine_rate(dense, chunks, args.tokens, answers=texts["engine_dense"]),
+                "engine_forward_at": lambda: engine_rate(engine, chunks, args.tokens, lean=False,
+                                                         answers=texts["engine_forward_at"]),
+                "engine_no_kernels": lambda: engine_rate(engine, chunks, args.tokens, kernels=False,
+                                                         answers=texts["engine_no_kernels"]),
                 "generate": lambda: generate_rate(engine, stock, chunks, args.tokens)}
         for warm in (engine, dense):
             engine_rate(warm, chunks, 2)
@@ -122,7 +134,11 @@ def main() -> int:
                      "lean_gain": statistics.median(lean_gains), "lean_gains": lean_gains,
                      "engine_no_kernels_tok_s": statistics.median(rates["engine_no_kernels"]),
                      "kernel_gain": statistics.median(kernel_gains), "kernel_gains": kernel_gains,
-                     "cpu_kernels": cpu_kernels.available(),
+                     "cpu_kernels": cpu_kernels.available(), "half_gemv": half_gemv.available(),
+                     "same_answer_as_no_kernels": {name: sum(t == base for t, base in zip(texts[name],
+                                                                                          texts["engine_no_kernels"]))
+                                                   / len(texts[name]) for name in ENGINE_RUNS},
+                     "answers": {name: sorted(set(texts[name])) for name in ENGINE_RUNS},
                      "generate_tok_s": statistics.median(rates["generate"]), "ratio": statistics.median(ratios),
                      "packed_gain": statistics.median(gains), "dtype": str(lm.dtype).removeprefix("torch."),
                      "ratios": ratios, "packed_gains": gains, "tokens": args.tokens, "repeats": args.repeats,
@@ -140,6 +156,9 @@ def main() -> int:
               f"{r['ratio']:.2f} ({', '.join(f'{x:.2f}' for x in r['ratios'])}) | "
               f"{r['kernel_gain']:.2f} ({', '.join(f'{x:.2f}' for x in r['kernel_gains'])}) | {r['packed_gain']:.2f} | "
               f"{r['lean_gain']:.2f} ({', '.join(f'{x:.2f}' for x in r['lean_gains'])}) |")
+    for r in rows:
+        print(f"{r['context']} tokens: answers equal to the kernels-off run's: "
+              + ", ".join(f"{name} {share:.2f}" for name, share in r["same_answer_as_no_kernels"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     return 0

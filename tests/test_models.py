@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 import torch
 
+from cacheclip_rag.models import half_gemv
 from cacheclip_rag.models.loading import PromptFormat, fingerprint, load_model
 from cacheclip_rag.testing import tiny_model
 
@@ -14,8 +15,13 @@ def test_load_from_a_local_folder_keeps_the_fingerprint(tmp_path):
     loaded = load_model(tmp_path, prompt=lm.prompt, dtype="float32")
     assert loaded.fingerprint == lm.fingerprint
     ids = torch.tensor([lm.encode("hello there")])
-    with torch.no_grad():
-        assert torch.allclose(loaded.model(ids).logits, lm.model(ids).logits, atol=1e-5)
+    assert loaded.model.lm_head.half_weight.dtype == torch.float16 if half_gemv.available() else True
+    half_gemv.set_enabled(False)  # the float32 weights themselves (8 rows would read the float16 copies)
+    try:
+        with torch.no_grad():
+            assert torch.allclose(loaded.model(ids).logits, lm.model(ids).logits, atol=1e-5)
+    finally:
+        half_gemv.set_enabled(True)
 
 
 def test_fingerprint_changes_with_weights_and_kv_shape():
@@ -120,8 +126,11 @@ def test_auto_dtype_on_the_cpu_is_bf16_exactly_where_the_cpu_has_it(monkeypatch)
 
     from cacheclip_rag.models.loading import cpu_has_native_bf16, resolve_dtype
 
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
                                        (False, False, torch.float32)):
+        # such a CPU's torch runs its AVX-512 kernels (on an AVX2 host torch's own capability says AVX2)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda v=expected: "AVX512" if v == torch.bfloat16 else "AVX2")
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         assert cpu_has_native_bf16() == (expected == torch.bfloat16)

@@ -251,6 +251,19 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def host_cpu() -> str:
+    """The CPU the row ran on: its model name and the best of its bf16/AVX instructions (Linux)."""
+    from cacheclip_rag.models.cpu_features import cpu_flags
+
+    flags = cpu_flags()
+    best = next((name for name in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if name in flags), "no AVX2")
+    try:
+        names = [line.partition(":")[2].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown CPU'}, {os.cpu_count()} CPUs, {best}"
+
+
 def isa_settings() -> dict:
     """The instruction-set caps the engines run under (`--isa avx2`), for a row's settings; none: {}."""
     return {name: os.environ[name] for name in AVX2_ENV if name in os.environ}
@@ -329,7 +342,7 @@ def main() -> int:
                    "server_decode": [r["server_decode_tok_s"] for r in results],
                    "tokens": [r["tokens"] for r in results], "pieces": [r["pieces"] for r in results],
                    "answers": [r["answer"] for r in results], "elapsed_s": elapsed, "settings": settings,
-                   "max_tokens": args.max_tokens, "date": datetime.date.today().isoformat()}
+                   "max_tokens": args.max_tokens, "host": host_cpu(), "date": datetime.date.today().isoformat()}
             rows.append(row)
             with open(rows_path, "a") as f:
                 f.write(json.dumps(row) + "\n")

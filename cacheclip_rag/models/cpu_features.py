@@ -50,3 +50,22 @@ def has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX tiles), uncapped (`isa_cap`)."""
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(bool(probe()) for probe in probes if probe is not None) and isa_cap() is None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_avx2_f16c() -> bool:
+    """Whether this process may run AVX2 with FMA and F16C: the CPU has them, and torch's capability (which
+    `ATEN_CPU_CAPABILITY` can cap) is AVX2 or above."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    return capability in ("AVX2", "AVX512") and {"avx2", "fma", "f16c"} <= cpu_flags()

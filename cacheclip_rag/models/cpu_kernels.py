@@ -32,13 +32,11 @@ import functools
 import logging
 import os
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import torch
 
-from . import cpu_features
+from . import cpu_features, kernel_build
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +44,6 @@ SOURCE = Path(__file__).parents[1] / "csrc" / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 ATTENTION_DIMS = frozenset({32, 64, 128})
 GEMV_MAX_ROWS = 8
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
 
 SWITCHED_OFF = "CACHECLIP_CPU_KERNELS=0"
 NO_BF16 = "this CPU has no AVX-512 BF16"
@@ -77,89 +71,35 @@ def _could_run() -> bool:
     return reason not in (SWITCHED_OFF, NO_BF16) and not (reason or "").endswith(CAPPED)
 
 
-def _put_ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the `ninja` package's binary sits in the environment's bin/,
-    which is not on PATH when the interpreter is run by its full path."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    folder = getattr(ninja, "BIN_DIR", None)
-    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
-
-
 NAME = "cacheclip_cpu_kernels"
-# torch's builder serialises builds with a lock file in the build folder and waits for it without end; a build
-# killed mid-way leaves it behind (the server then hung at model load, logging nothing). A build takes ~10-60 s
-# here: a lock older than STALE_LOCK_S is a dead build's, and is removed; a younger one is waited for until it
-# goes or turns stale, at most LOCK_WAIT_S, after which the kernels are not used.
-STALE_LOCK_S = 300.0
-LOCK_WAIT_S = 330.0
+STALE_LOCK_S, LOCK_WAIT_S, lock_cleared = kernel_build.STALE_LOCK_S, kernel_build.LOCK_WAIT_S, kernel_build.lock_cleared
 
 
 def _build_lock(name: str = NAME) -> Path:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    return Path(_get_build_directory(name, verbose=False)) / "lock"
+    return kernel_build.build_lock(name)
 
 
-def lock_cleared(lock: Path, *, stale_s: float = STALE_LOCK_S, wait_s: float = LOCK_WAIT_S,
-                 poll_s: float = 1.0) -> bool:
-    """Whether the build folder's `lock` is gone, or was a dead build's (older than `stale_s`, removed
-    here); waits at most `wait_s` for a live build's lock to go."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return True
-        if age > stale_s:
-            log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
-            lock.unlink(missing_ok=True)
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
+_kernels = kernel_build.LazyKernels(
+    NAME, SOURCE, FLAGS, why_not=lambda: _why_not(), lost=lambda reason: _could_run(), lock=lambda: _build_lock(),
+    logger=log, fallback="attention and one-row products run on torch's paths")
+_state = _kernels.state
 
 
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on the first call); logs why not, once: at
     WARNING where the CPU could run them (the speed-up is lost), at INFO where it cannot or they were
     switched off."""
-    if "ok" in _state:
-        return bool(_state["ok"])
-    with _lock:
-        if "ok" not in _state:
-            reason = _why_not()
-            if reason is None:
-                try:
-                    from torch.utils.cpp_extension import load
-
-                    _put_ninja_on_path()
-                    lock = _build_lock()
-                    if not lock_cleared(lock):
-                        reason = f"another process has been building them for over {LOCK_WAIT_S:.0f} s ({lock})"
-                    else:
-                        load(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False,
-                             verbose=False)
-                except Exception as error:  # noqa: BLE001 - any build failure leaves torch's paths in use
-                    reason = f"the build failed: {str(error).strip().splitlines()[-1] if str(error).strip() else error!r}"
-            if reason is not None:
-                log.log(logging.WARNING if _could_run() else logging.INFO,
-                        "CPU kernels not used (%s); attention and one-row products run on torch's paths", reason)
-            _state["ok"], _state["reason"] = reason is None, reason
-    return bool(_state["ok"])
+    return _kernels.available()
 
 
 def enabled() -> bool:
     """`available()` unless switched off in this process by `set_enabled(False)` (benchmarks compare both)."""
-    return _state.get("enabled", True) and available()
+    return _kernels.enabled()
 
 
 def set_enabled(on: bool) -> None:
     """Use the kernels where they apply (True, the default) or keep torch's paths everywhere (False)."""
-    _state["enabled"] = bool(on)
+    _kernels.set_enabled(on)
 
 
 def packed_gemv(x: torch.Tensor, weight_address: int, in_features: int, out_features: int,

@@ -20,6 +20,7 @@ from ..config import DEFAULT_SYSTEM_PROMPT, default_cache_dir  # noqa: F401 - re
 from .embedded import EMBEDDED, convert_gguf, embedded_gguf  # noqa: F401 - re-exported
 from . import cpu_features
 from .cpu_allocator import keep_freed_memory, large_blocks_mapped
+from .half_gemv import attach_half_weights, detach_half_weights
 from .kernel_layers import use_kernel_layers
 from .packed_linear import bound_onednn_caches, pack_linears, unpack_linears
 from .sources import check_model_source
@@ -303,7 +304,8 @@ def load_model(
     own ChatML template. `cache_dir`: where the embedded models are converted once (default: the user
     cache, `config.default_cache_dir`). `prepack`: a bf16 model on the CPU gets its linears' weights
     reordered once into oneDNN's layout (`packed_linear`; decode steps ~1.6x faster), after its fingerprint
-    is taken from the dense weights."""
+    is taken from the dense weights; a float32 one on an AVX2 CPU float16 copies that its decode steps read
+    (`half_gemv`)."""
     name = str(source)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     torch_dtype = resolve_dtype(dtype, device)
@@ -332,11 +334,12 @@ def load_model(
         caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
         caps.update({key: str(value) for key, value in keep_freed_memory().items()})
         packed = pack_linears(model) if prepack else 0
+        halved = attach_half_weights(model) if prepack and torch_dtype == torch.float32 else 0
         fused = use_kernel_layers(model)
         native_bf16 = cpu_has_native_bf16()
-        log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked, %d norms and MLPs on kernels%s", name,
-                 str(torch_dtype).removeprefix("torch."), "native bf16" if native_bf16 else
-                 "no native bf16", torch.get_num_threads(), packed, fused,
+        log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked, %d with float16 decode copies, %d norms "
+                 "and MLPs on kernels%s", name, str(torch_dtype).removeprefix("torch."), "native bf16" if native_bf16
+                 else "no native bf16", torch.get_num_threads(), packed, halved, fused,
                  "".join(f", {k}={v}" for k, v in caps.items()))
         if torch_dtype == torch.bfloat16 and not native_bf16:
             log.warning("%s: bfloat16 on a CPU without native bf16 is emulated, ~4x slower than float32 here "
@@ -366,6 +369,7 @@ def int8_scorer(model: PreTrainedModel) -> PreTrainedModel:
                            f"torch ({torch.__version__}) lacks") from err
     scorer = copy.deepcopy(model)
     unpack_linears(scorer)  # a prepacked bf16 aux: plain linears again, for quantize_dynamic to find
+    detach_half_weights(scorer)  # likewise a float32 one's float16 decode copies
     scorer = scorer.float()  # dynamic quantization takes float32 linears (a bf16 aux too)
     with warnings.catch_warnings():  # torch announces the quantization API's deprecation on every call
         warnings.simplefilter("ignore", UserWarning)
