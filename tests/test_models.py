@@ -130,7 +130,8 @@ def test_auto_dtype_on_the_cpu_is_bf16_exactly_where_the_cpu_has_it(monkeypatch)
     for avx512_bf16, amx, expected in ((True, False, torch.bfloat16), (False, True, torch.bfloat16),
                                        (False, False, torch.float32)):
         # such a CPU's torch runs its AVX-512 kernels (on an AVX2 host torch's own capability says AVX2)
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda v=expected: "AVX512" if v == torch.bfloat16 else "AVX2")
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability",
+                            lambda v=expected: "AVX512" if v == torch.bfloat16 else "AVX2")
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         assert cpu_has_native_bf16() == (expected == torch.bfloat16)

@@ -184,7 +184,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "server_decode_tok_s": statistics.median([d for d in r.get("server_decode", []) if d]
                                                              or [float("nan")]),
                     "requests": len(r["ttfts"]), "empty_answers": sum(not a for a in r["answers"]),
-                    "settings": r["settings"], "date": r["date"]})
+                    "settings": r["settings"], "host": r.get("host"), "date": r["date"]})
     return out
 
 
@@ -246,7 +246,9 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{workload} chunk order (labels: right answers)", fontsize=9)
         ax.legend(fontsize=7)
     held = " held to AVX2" if any(r["settings"].get("ATEN_CPU_CAPABILITY") for r in rows) else ""
-    fig.suptitle(f"{MODEL}, 2 CPU cores{held}, the same requests through each OpenAI API", fontsize=10)
+    hosts = sorted({r["host"] for r in rows if r.get("host")})  # rows before 2026-12-07's EPYC run name none
+    where = f"{hosts[0]}{held}" if len(hosts) == 1 else f"2 CPU cores{held}"
+    fig.suptitle(f"{MODEL}, {where}, the same requests through each OpenAI API", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
