@@ -248,7 +248,7 @@ def plot(rows: list[dict], path: Path) -> None:
     held = " held to AVX2" if any(r["settings"].get("ATEN_CPU_CAPABILITY") for r in rows) else ""
     hosts = sorted({r["host"] for r in rows if r.get("host")})  # rows before 2026-12-07's EPYC run name none
     where = f"{hosts[0]}{held}" if len(hosts) == 1 else f"2 CPU cores{held}"
-    fig.suptitle(f"{MODEL}, {where}, the same requests through each OpenAI API", fontsize=10)
+    fig.suptitle(f"{MODEL}, {where}\nthe same requests through each OpenAI API", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
