@@ -464,15 +464,17 @@ def test_a_dead_builds_lock_is_removed_and_a_live_ones_wait_is_bounded(tmp_path)
     import os
     import time
 
+    from cacheclip_rag.models import kernel_build
+
     lock = tmp_path / "lock"
-    assert cpu_kernels.lock_cleared(lock, wait_s=0.0)  # no lock
+    assert kernel_build.lock_cleared(lock, wait_s=0.0)  # no lock
     lock.touch()
-    old = time.time() - 2 * cpu_kernels.STALE_LOCK_S
+    old = time.time() - 2 * kernel_build.STALE_LOCK_S
     os.utime(lock, (old, old))
-    assert cpu_kernels.lock_cleared(lock, wait_s=0.0) and not lock.exists()  # a dead build's: removed
+    assert kernel_build.lock_cleared(lock, wait_s=0.0) and not lock.exists()  # a dead build's: removed
     lock.touch()  # a live build's
     started = time.monotonic()
-    assert not cpu_kernels.lock_cleared(lock, wait_s=0.3, poll_s=0.05)
+    assert not kernel_build.lock_cleared(lock, wait_s=0.3, poll_s=0.05)
     assert time.monotonic() - started < 5 and lock.exists()  # bounded, and left to its owner
 
 

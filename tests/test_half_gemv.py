@@ -176,3 +176,23 @@ def test_a_model_with_copies_still_gets_an_int8_scorer():
     scorer = int8_scorer(model)
     assert not any(isinstance(m, HalfWeightLinear) for m in scorer.model.modules())
     assert any(type(m).__name__ == "Linear" and "quantized" in type(m).__module__ for m in scorer.model.modules())
+
+
+def test_a_failed_build_is_said_once_at_warning_and_leaves_nn_linear(monkeypatch, caplog):
+    """Where the CPU could run the kernel, a failed build loses its speed-up: said at WARNING, once; the linears
+    keep their own forward."""
+    from cacheclip_rag.models import kernel_build
+
+    saved = dict(half_gemv._kernels.state)
+    monkeypatch.setattr(half_gemv, "_why_not", lambda: None)
+    monkeypatch.setattr(kernel_build, "build", lambda *args, **kwargs: "the build failed: no space left on device")
+    half_gemv._kernels.state.clear()
+    try:
+        with caplog.at_level("INFO", logger=half_gemv.__name__):
+            assert not half_gemv.available() and not half_gemv.available()
+            assert attach_half_weights(nn.Sequential(nn.Linear(8, 8))) == 0
+        said = [r for r in caplog.records if "not used" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "WARNING" and "no space left" in said[0].getMessage()
+    finally:
+        half_gemv._kernels.state.clear()
+        half_gemv._kernels.state.update(saved)

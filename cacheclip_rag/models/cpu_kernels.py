@@ -72,7 +72,6 @@ def _could_run() -> bool:
 
 
 NAME = "cacheclip_cpu_kernels"
-STALE_LOCK_S, LOCK_WAIT_S, lock_cleared = kernel_build.STALE_LOCK_S, kernel_build.LOCK_WAIT_S, kernel_build.lock_cleared
 
 
 def _build_lock(name: str = NAME) -> Path:
