@@ -54,3 +54,18 @@ def test_each_engine_is_compared_with_the_fastest_peer_that_ran_in_its_cell():
     assert mine["vs"] == "vllm" and abs(mine["p50_over_peer"] - 0.5) < 1e-9
     (alone,) = run_anchors.comparisons([ours])
     assert "vs" not in alone  # no peer ran: no ratio
+
+
+def test_a_row_names_the_cpu_it_ran_on(monkeypatch):
+    """The same table from two machines must not be read as one: each row says its CPU and best instructions."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench/anchors"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import run_anchors
+    from cacheclip_rag.models import cpu_features
+
+    host = run_anchors.host_cpu()
+    flags = cpu_features.cpu_flags()
+    expected = next((n for n in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if n in flags), "no AVX2")
+    assert host.endswith(f"CPUs, {expected}") and not host.startswith(",")
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2", "avx2"}))
+    assert run_anchors.host_cpu().endswith("avx2")
