@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -45,22 +43,20 @@ FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq
 ATTENTION_DIMS = frozenset({32, 64, 128})
 GEMV_MAX_ROWS = 8
 
-SWITCHED_OFF = "CACHECLIP_CPU_KERNELS=0"
+SWITCHED_OFF = kernel_build.SWITCHED_OFF
 NO_BF16 = "this CPU has no AVX-512 BF16"
 CAPPED = "holds this process below AVX-512 BF16"  # after the setting that does (`cpu_features.isa_cap`)
 
 
 def _why_not() -> str | None:
     """None where the kernels may be built here; else the reason they are not."""
-    if os.environ.get("CACHECLIP_CPU_KERNELS", "1") == "0":
+    if kernel_build.switched_off():
         return SWITCHED_OFF
     if not cpu_features.cpu_has_avx512_bf16():
         return NO_BF16
     cap = cpu_features.isa_cap()
     if cap is not None:
         return f"{cap} {CAPPED}"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler on PATH"
     return None
 
 

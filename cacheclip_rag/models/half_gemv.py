@@ -20,8 +20,6 @@ linear keeps `nn.Linear`'s forward.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -37,18 +35,16 @@ FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 GEMV_MAX_ROWS = 8  # more rows (prefill, a question pass) keep MKL's float32 product, compute-bound and fast
 FLOAT16_MAX = 65504.0
 
-SWITCHED_OFF = "CACHECLIP_CPU_KERNELS=0"
+SWITCHED_OFF = kernel_build.SWITCHED_OFF
 NO_AVX2 = "this process has no AVX2 with FMA and F16C (the CPU lacks them, or torch is capped below AVX2)"
 
 
 def _why_not() -> str | None:
     """None where the kernel may be built here; else the reason it is not."""
-    if os.environ.get("CACHECLIP_CPU_KERNELS", "1") == "0":
+    if kernel_build.switched_off():
         return SWITCHED_OFF
     if not cpu_features.has_avx2_f16c():
         return NO_AVX2
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler on PATH"
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 # turns stale, at most LOCK_WAIT_S, after which the kernels are not used.
 STALE_LOCK_S = 300.0
 LOCK_WAIT_S = 330.0
+SWITCHED_OFF = "CACHECLIP_CPU_KERNELS=0"  # the operator's switch for every kernel file
+
+
+def switched_off() -> bool:
+    """Whether the operator switched the CPU kernels off (`SWITCHED_OFF` in the environment)."""
+    return os.environ.get("CACHECLIP_CPU_KERNELS", "1") == "0"
 
 
 def put_ninja_on_path() -> None:
@@ -65,8 +72,11 @@ def lock_cleared(lock: Path, *, stale_s: float = STALE_LOCK_S, wait_s: float = L
 
 def build(name: str, source: Path, flags: list[str], lock: Path | None = None) -> str | None:
     """Build and load `source` as extension `name` (its ops registered with torch, no Python module) with
-    `flags` and OpenMP's torch links; None where it loaded, else why not (in one line). `lock`: the build
-    folder's lock file (default `build_lock(name)`)."""
+    `flags` and OpenMP's torch links; None where it loaded, else why not (in one line: no compiler, a live
+    build's lock held too long, or the build's last error line). `lock`: the build folder's lock file (default
+    `build_lock(name)`)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler on PATH"
     try:
         from torch.utils.cpp_extension import load
 

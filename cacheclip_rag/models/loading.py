@@ -334,7 +334,7 @@ def load_model(
         caps = bound_onednn_caches() if torch_dtype == torch.bfloat16 else {}  # before its first forward
         caps.update({key: str(value) for key, value in keep_freed_memory().items()})
         packed = pack_linears(model) if prepack else 0
-        halved = attach_half_weights(model) if prepack and torch_dtype == torch.float32 else 0
+        halved = attach_half_weights(model) if prepack else 0  # float32 linears only
         fused = use_kernel_layers(model)
         native_bf16 = cpu_has_native_bf16()
         log.info("%s: %s on the CPU (%s), %d threads, %d linears prepacked, %d with float16 decode copies, %d norms "
