@@ -43,21 +43,21 @@ def load(path: Path, primary: str) -> list[dict]:
 
 def ratios(rows: list[dict]) -> list[list[float]]:
     """Each request's shares over the mean share at the same (chunk count, index) in the other families."""
-    sums: dict[tuple[str, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    every: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (count, index): [mass, requests]
+    own: dict[tuple[str, int, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # the same, per family
     for r in rows:
         shares = r["signals"]["shares"]
         for i, share in enumerate(shares):
-            entry = sums[(r["case"]["family"], len(shares), i)]
-            entry[0] += share
-            entry[1] += 1
+            for entry in (every[(len(shares), i)], own[(r["case"]["family"], len(shares), i)]):
+                entry[0] += share
+                entry[1] += 1
     out = []
     for r in rows:
         shares = r["signals"]["shares"]
-        own = r["case"]["family"]
         row = []
         for i, share in enumerate(shares):
-            total = [sums[k] for k in sums if k[0] != own and k[1:] == (len(shares), i)]
-            mass, count = sum(t[0] for t in total), sum(t[1] for t in total)
+            (mass, count), (mine, mine_count) = every[(len(shares), i)], own[(r["case"]["family"], len(shares), i)]
+            mass, count = mass - mine, count - mine_count
             row.append(share / (mass / count) if count and mass > 0 else float("nan"))
         out.append(row)
     return out
@@ -88,7 +88,7 @@ def report(rows: list[dict]) -> dict:
     summaries = {"second-largest ratio": second, "chunks over 2x": lambda v: float(sum(x > 2 for x in v))}
     routing = []
     for length in sorted({r["length"] for r in rows}):
-        topical = [j for j in groups.get(("topical", length), [])]
+        topical = groups.get(("topical", length), [])
         for name, summary in summaries.items():
             for family in MULTI:
                 members = groups.get((family, length), [])

@@ -63,11 +63,8 @@ def questions(count_tokens) -> list[tuple[str, str, bool]]:
     return items
 
 
-def features(items, primary: str) -> torch.Tensor:
-    """Per question: the last position's hidden state at every layer (question asked with no chunk)."""
-    from cacheclip_rag.models.loading import load_model
-
-    lm = load_model(primary)
+def features(items, lm) -> torch.Tensor:
+    """Per question: the last position's hidden state at every layer of `lm` (question asked with no chunk)."""
     tok = lm.tokenizer
     out = []
     for _, question, _ in tqdm(items, desc="questions"):
@@ -150,11 +147,11 @@ def main() -> int:
         saved = torch.load(cache)
         items, feats = saved["items"], saved["feats"]
     else:
-        from cacheclip_rag.models.loading import load_model  # the primary's tokenizer counts RULER's tokens
+        from cacheclip_rag.models.loading import load_model
 
-        tok = load_model(args.primary, prepack=False).tokenizer
-        items = questions(lambda text: len(tok(text).input_ids))
-        feats = features(items, args.primary)
+        lm = load_model(args.primary)  # loaded once: its tokenizer counts RULER's tokens, its states are the features
+        items = questions(lambda text: len(lm.tokenizer(text).input_ids))
+        feats = features(items, lm)
         torch.save({"items": items, "feats": feats}, cache)
     result = {"primary": args.primary, **fit(items, feats)}
     if args.rows:
