@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cacheclip_rag.config import EngineConfig, RequestOptions  # noqa: E402
+from cacheclip_rag.config import Diagnostics, EngineConfig, RequestOptions  # noqa: E402
 from cacheclip_rag.engine.core import Engine  # noqa: E402
 from cacheclip_rag.evaluation.deployed import FAMILIES, WORDS_FOR, Case, case, strict_score  # noqa: E402
 from cacheclip_rag.evaluation.fidelity import first_token_kl, teacher_forced_fidelity  # noqa: E402
@@ -137,6 +137,9 @@ def evaluate(engine: Engine, c: Case, conditions: tuple[str, ...] = CONDITIONS) 
         for name in conditions:
             if name == "no_spread":  # what the lexical spread budget costs and wins, timed as served
                 rows[name] = measured(engine, c, replace(default, spread_ratio=None), full_tokens, full_rows)
+            elif name == "words_only":  # the spread budget on the words alone, no question probe (before it shipped)
+                rows[name] = measured(engine, c, replace(default, diagnostics=Diagnostics(question_probe=False)),
+                                      full_tokens, full_rows)
             else:
                 rows[name] = with_rows(engine, c, plan, *runs[name])
         signals["attended"] = sorted(attended)
@@ -346,7 +349,8 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=2048, choices=(0, *WORDS_FOR))
     parser.add_argument("--cases", type=int, default=52)
     parser.add_argument("--primary", default=EngineConfig().primary)
-    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first), or no_spread: the default without the spread budget, timed beside it")
+    parser.add_argument("--conditions", default=",".join(CONDITIONS), help="diagnosis conditions (base_0.2 first), or no_spread: the default without the spread budget, timed beside it, "
+                        "or words_only: the spread budget without the question probe")
     parser.add_argument("--out", default="bench/results/deployed.jsonl")
     parser.add_argument("--report")
     parser.add_argument("--json")

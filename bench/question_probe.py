@@ -42,7 +42,8 @@ from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.deployed import cases  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
-SEVERAL = {"values", "compare", "link", "multivalue", "multiquery"}
+SEVERAL = {"values", "compare", "link", "multivalue", "multiquery", "spread2", "spread3", "spread4", "older"}
+RUNS = ("eval-deployed-2k", "eval-deployed-4k", "eval-multichunk-deployed-2k", "eval-multichunk-deployed-4k")
 
 
 def questions(count_tokens) -> list[tuple[str, str, bool]]:
@@ -58,6 +59,12 @@ def questions(count_tokens) -> list[tuple[str, str, bool]]:
     for task in ruler.TASKS:
         for seed in range(4):
             items.append((f"ruler/{task}", ruler.generate(task, 2048, seed, count_tokens).question, task in SEVERAL))
+    for run in RUNS:  # the deployed-format RULER runs' own requests (every sample, both lengths)
+        for line in (ROOT / "bench" / run / "records.jsonl").read_text().splitlines():
+            r = json.loads(line)[0]
+            sample = ruler.generate(r["task"], r["length"], r["seed"], count_tokens)
+            assert list(sample.references) == r["references"], (run, r["task"], r["seed"])
+            items.append((f"run/{run}/{r['task']}", sample.question, r["task"] in SEVERAL))
     items += [("docs_qa", q, False) for q, _ in QUESTIONS]
     items += [("heldout", r["question"], r["several"]) for r in map(json.loads, (DATA / "router_heldout.jsonl").open())]
     return items
@@ -107,7 +114,9 @@ def fit(items, feats: torch.Tensor) -> dict:
                         "flagged_several": sum(s > 0 for s in pos), "flagged_one": sum(s > 0 for s in neg)}
     flagged = {s: [sum(r["score"] > 0 for r in rs), len(rs)] for s, rs in sets.items()}
     return {"cv_auc_by_layer": cv, "layer": layer, "tests": tests, "flagged_by_source": flagged,
-            "scores": {q["question"]: q["score"] for rs in sets.values() for q in rs}}
+            "scores": {q["question"]: q["score"] for rs in sets.values() for q in rs},
+            "probe": {"layer": layer, "weight": [round(float(w), 7) for w in probe.coef_[0]],
+                      "bias": round(float(probe.intercept_[0]), 7), "cv_auc": cv[layer]}}
 
 
 def routed(rows_path: Path, scores: dict[str, float], primary: str) -> list[dict]:
@@ -135,12 +144,95 @@ def routed(rows_path: Path, scores: dict[str, float], primary: str) -> list[dict
     return table
 
 
+def _run_records(run: str) -> list[list[dict]]:
+    return [json.loads(line) for line in (ROOT / "bench" / run / "records.jsonl").read_text().splitlines()]
+
+
+def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: str, probe_s: float) -> list[dict]:
+    """What the shipped rule gives, composed from stored runs: the spread budget escalates a request only when its
+    words flag it and the probe agrees. An escalated request is the words-only default's (the same engine path:
+    the same tokens), plus the probe's forward `probe_s`; any other, the same request without the budget. Per
+    family and length: full's right answers (strict), how many each rule keeps, how many each escalates, and the
+    median time to first token (None where a vetoed request's time without the budget was not measured)."""
+    # per request (a later run's row replacing an earlier one's): (family, length, full right, words kept, words
+    # escalated, base kept, question, ttft words, ttft base)
+    requests: dict[tuple, tuple] = {}
+    for line in (line for path in rows_paths for line in path.read_text().splitlines()):
+        r = json.loads(line)
+        rows = r["rows"]
+        base = rows.get("no_spread") or rows.get("base_0.2")  # the latter untimed: the default's time where equal
+        if r.get("primary", primary) != primary or base is None:
+            continue
+        escalated = (rows["default"]["ratio"] or 0) > 0.2 + 1e-9
+        base_s = base.get("ttft_s", None if escalated else rows["default"]["ttft_s"])
+        requests[(r["case"]["family"], r["length"], r["case"]["seed"])] = (
+            r["case"]["family"], r["length"], rows["full"]["right"], rows["default"]["right"], escalated, base["right"],
+            r["case"]["question"], rows["default"]["ttft_s"], base_s)
+    cases = list(requests.values())
+    for run in RUNS:
+        asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
+        if not asked:  # features made without this run's questions
+            continue
+        for question, records in zip(asked, _run_records(run), strict=True):
+            by = {rec["variant"]: rec for rec in records}
+            words = by["cacheclip_spread"]
+            base = by.get("cacheclip_nospread") or by["cacheclip_requery"]
+            family = ("ruler-multichunk/" if "multichunk" in run else "ruler/") + words["task"]
+            cases.append((family, words["length"],
+                          by["full"]["score"] == 1.0, words["score"] == 1.0, words["recomputed_share"] > 0.35,
+                          base["score"] == 1.0, question, words["ttft_s"], base["ttft_s"]))
+    by_cell = defaultdict(list)
+    for c in cases:
+        by_cell[(c[0], c[1])].append(c)
+    table = []
+    for (family, length), cs in sorted(by_cell.items()):
+        flag = [esc and scores[q] > 0 for _, _, _, _, esc, _, q, _, _ in cs]
+        kept = [w if f else b for (_, _, _, w, _, b, _, _, _), f in zip(cs, flag)]
+        ttft_words = sorted(c[7] for c in cs)
+        both = [(c[7] + probe_s) if f else (c[8] + probe_s) if c[4] and c[8] is not None else c[8] for c, f in zip(cs, flag)]
+        ttft_both = None if None in both else sorted(both)
+        table.append({"family": family, "length": length, "cases": len(cs), "full_right": sum(c[2] for c in cs),
+                      "words_kept": sum(c[2] and c[3] for c in cs), "confirmed_kept": sum(c[2] and k for c, k in zip(cs, kept)),
+                      "words_escalated": sum(c[4] for c in cs), "confirmed_escalated": sum(flag),
+                      "median_ttft_words_s": round(ttft_words[len(cs) // 2], 3),
+                      "median_ttft_confirmed_s": ttft_both and round(ttft_both[len(cs) // 2], 3)})
+    return table
+
+
+def plot(table: list[dict], path: Path) -> None:
+    """Per family and length: the share of requests the spread budget escalates on the words alone and with the
+    probe's confirmation, and the share of full's right answers each keeps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['family']} {r['length'] // 1024}K" for r in table]
+    x = np.arange(len(table))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.45 * len(table)), 6), sharex=True)
+    for ax, (key_a, key_b, over, title) in zip((top, bottom), (
+            ("words_escalated", "confirmed_escalated", "cases", "share of requests escalated to spread_ratio"),
+            ("words_kept", "confirmed_kept", "full_right", "share of full's right answers kept (strict)"))):
+        for offset, key, name in ((-0.2, key_a, "words alone (before)"), (0.2, key_b, "words + question probe (now)")):
+            ax.bar(x + offset, [r[key] / max(1, r[over]) for r in table], 0.4, label=name)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(title, fontsize=9)
+    top.legend(fontsize=8)
+    bottom.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--primary", default="qwen2.5-coder-0.5b")
     parser.add_argument("--features", default="question_features.pt", help="cache of the hidden states (made if absent)")
     parser.add_argument("--rows", help="a bench_deployed.py run to compose the routing over")
+    parser.add_argument("--plot", help="a PNG of the confirmation table")
+    parser.add_argument("--confirm-rows", nargs="*", default=[], help="further bench_deployed.py runs for --rows' confirmation")
+    parser.add_argument("--probe-s", type=float, default=0.44, help="the probe's measured cost, added where it runs")
     parser.add_argument("--json")
+    parser.add_argument("--export", help="write the fitted probe for the library (cacheclip_rag/data/question_probes.json)")
     args = parser.parse_args()
     cache = Path(args.features)
     if cache.exists():
@@ -156,6 +248,8 @@ def main() -> int:
     result = {"primary": args.primary, **fit(items, feats)}
     if args.rows:
         result["routed"] = routed(Path(args.rows), result["scores"], args.primary)
+        result["confirmed"] = confirmed(items, result["scores"], [Path(args.rows), *map(Path, args.confirm_rows)],
+                                        args.primary, args.probe_s)
     print(f"layer {result['layer']} (cv AUC {result['cv_auc_by_layer'][result['layer']]})")
     for group, t in result["tests"].items():
         print(f"  {group}: AUC {t['auc']} {t['auc_95']}, flags {t['flagged_several']}/{t['n'][0]} several, "
@@ -166,8 +260,21 @@ def main() -> int:
         print(f"  {row['family']:8s} {row['length']}: kept {row['default_kept']} -> {row['routed_kept']} of "
               f"{row['full_right']}; to full {row['routed_to_full']}/{row['cases']}; "
               f"median TTFT {row['median_ttft_default_s']} -> {row['median_ttft_routed_s']} s")
+    for row in result.get("confirmed", []):
+        print(f"  words+probe {row['family']:28s} {row['length']}: kept {row['words_kept']} -> {row['confirmed_kept']} of "
+              f"{row['full_right']}; escalated {row['words_escalated']} -> {row['confirmed_escalated']}/{row['cases']}; "
+              f"median TTFT {row['median_ttft_words_s']} -> {row['median_ttft_confirmed_s']} s")
+    if args.plot and result.get("confirmed"):
+        plot(result["confirmed"], Path(args.plot))
+    probe = result.pop("probe")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.export:
+        path = Path(args.export)
+        probes = json.loads(path.read_text()) if path.exists() else {}
+        probes[args.primary] = {**probe, "system_prompt": DEFAULT_SYSTEM_PROMPT,
+                                "fitted_on": "bench/data/router_train.jsonl (bench/question_probe.py)"}
+        path.write_text(json.dumps(probes, indent=1) + "\n")
     return 0
 
 

@@ -167,9 +167,12 @@ class Diagnostics:
     # "global": the full-attention layers only); elsewhere the stored rows stay as loaded
     recompute_layers: str = "all"
     sync_timings: bool = False  # synchronise the GPU at stage boundaries, so each stage's time is its own
+    # the spread budget's word trigger confirmed by the primary's question probe, where one ships for it
+    # (`stages.select.question_kind`); False: the words alone, as before issue 67's probe
+    question_probe: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("grouping", "shared_prefix", "exact_budget", "sync_timings"):
+        for name in ("grouping", "shared_prefix", "exact_budget", "sync_timings", "question_probe"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.boundary_tokens is not None:

@@ -27,3 +27,21 @@ def test_a_flagged_request_takes_fulls_answer_and_time_the_rest_the_defaults(tmp
     (row,) = question_probe.routed(path, scores, "qwen2.5-coder-0.5b")
     assert (row["cases"], row["full_right"], row["default_kept"], row["routed_kept"], row["routed_to_full"]) == (3, 2, 0, 1, 2)
     assert (row["median_ttft_default_s"], row["median_ttft_routed_s"]) == (1.0, 4.0)
+
+
+def test_the_probe_vetoes_a_flagged_request_to_its_unescalated_row_and_confirms_the_rest(tmp_path):
+    def row(seed, question, escalated, words_right, base_right, words_s, base_s):
+        return {"case": {"family": "topical", "question": question, "seed": seed}, "length": 2048,
+                "rows": {"full": {"right": True, "ttft_s": 9.0},
+                         "default": {"right": words_right, "ttft_s": words_s, "ratio": 0.5 if escalated else 0.2},
+                         "no_spread": {"right": base_right, "ttft_s": base_s}}}
+    rows = [row(0, "which trains ran?", True, True, False, 3.0, 1.0),  # flagged, confirmed: the words' row
+            row(1, "where is the shed?", True, False, True, 3.0, 1.0),  # flagged, vetoed: the row without the budget
+            row(2, "when did it open?", False, True, True, 1.0, 1.0)]  # not flagged: the probe never runs
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scores = {"which trains ran?": 0.7, "where is the shed?": -0.4, "when did it open?": 0.9}
+    (cell,) = question_probe.confirmed([], scores, [path], "qwen2.5-coder-0.5b", probe_s=0.5)
+    assert (cell["words_kept"], cell["confirmed_kept"]) == (2, 3)
+    assert (cell["words_escalated"], cell["confirmed_escalated"]) == (2, 1)
+    assert (cell["median_ttft_words_s"], cell["median_ttft_confirmed_s"]) == (3.0, 1.5)  # 3.5, 1.5, 1.0

@@ -31,6 +31,7 @@ class Variant:
     # RequestOptions.min_recompute_tokens: 0, the ratio alone (variants measure what a ratio does); the shipped
     # default's floor in `cacheclip_spread`
     min_recompute_tokens: int = 0
+    question_probe: bool = True  # Diagnostics.question_probe: the spread budget's words confirmed by the probe
 
     @property
     def uses_ratio(self) -> bool:
@@ -43,7 +44,7 @@ class Variant:
         ratio = self.fixed_ratio if self.fixed_ratio is not None else ratio
         diagnostics = Diagnostics(grouping=self.grouping, shared_prefix=self.shared_prefix,
                                   exact_budget=self.exact_budget, boundary_tokens=self.boundary_tokens,
-                                  recompute_layers=self.recompute_layers)
+                                  recompute_layers=self.recompute_layers, question_probe=self.question_probe)
         return RequestOptions(method=self.method, ratio=ratio if ratio is not None else 0.0, selection=self.selection,
                               aux_share=self.aux_share, spread_ratio=self.spread_ratio,
                               min_recompute_tokens=self.min_recompute_tokens, diagnostics=diagnostics,
@@ -84,6 +85,9 @@ VARIANTS = {
         # the default without the spread budget (`spread_ratio=None`), floor kept: what the budget adds, as
         # deployed (over prompts above the floor, RULER's, it is `cacheclip_requery` token for token)
         Variant("cacheclip_nospread", "cacheclip", selection="question", min_recompute_tokens=MIN_RECOMPUTE_TOKENS),
+        # the default before the question probe: the spread budget on the question's words alone
+        Variant("cacheclip_spread_words", "cacheclip", selection="question", spread_ratio=0.5,
+                min_recompute_tokens=MIN_RECOMPUTE_TOKENS, question_probe=False),
     )
 }
 
@@ -93,7 +97,8 @@ def is_default(variant: str, ratio: float | None) -> bool:
 
 
 GAP_VARIANTS = ("cacheclip_seams", "cacheclip_boundary4", "recompute_sliding_only", "recompute_global_only",
-                "cacheclip_requery", "cacheclip_requery_half", "cacheclip_spread", "cacheclip_nospread")
+                "cacheclip_requery", "cacheclip_requery_half", "cacheclip_spread", "cacheclip_nospread",
+                "cacheclip_spread_words")
 MAIN_VARIANTS = ("full", "shared_prefix", "ape", "ape_tuned", "cacheblend", "cacheclip")
 
 

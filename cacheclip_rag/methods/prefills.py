@@ -131,13 +131,14 @@ def _prefill_cacheclip(parts: Parts, plan: Plan, options: RequestOptions) -> Pre
     """CacheClip: load (the aux's pick overlapped) -> select -> recompute. `selection="aux"`, the paper's:
     the aux's pick is the selection. `"question"` (the default): the question's attention over the loaded
     cache picks the budget, after the aux's pick of `aux_share` of it (none at 0) was recomputed. A question
-    whose subject several chunks hold gets `spread_ratio`'s budget (`spread_budget`); a short prompt at
+    whose subject several chunks hold, read by the primary's question probe as combining passages, gets
+    `spread_ratio`'s budget (`spread_budget`); a short prompt at
     least `min_recompute_tokens` (`short_prompt_budget`)."""
     if options.selection == "aux" or options.aux_share > 0.0:
         require_aux(parts)  # a clear error before any work, whatever the budget
     trace = _trace(parts, options)
     with trace.stage("select"):
-        options = budget(plan, options)
+        options = budget(plan, options, parts.primary)
     if options.method == "full":  # a prompt under the floor
         prefill = _prefill_full(parts, plan, options)
         prefill.timings.select_s += trace.timings.select_s
