@@ -46,6 +46,21 @@ def test_the_probe_reads_the_state_a_whole_forward_gives_at_its_layer(chat_model
     assert probe.score(chat_model, "Which boats did the mill own?") == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.parametrize("layer", [1, 2])
+def test_questions_run_over_the_heads_cached_keys_give_the_whole_prompts_state(chat_model, layer):
+    probe = QuestionProbe(layer=layer, weight=torch.randn(chat_model.model.config.hidden_size), bias=0.0,
+                          system_prompt="Be brief.")
+    questions = ["Which boats did the mill own?", "When?", "Which boats did the mill own?"]
+    states = [probe.state(chat_model, q) for q in questions]  # the head's cache made once, then copied
+    assert sum(key[1] == layer for key in question_kind._heads) == 1
+    for question, state in zip(questions, states):
+        with torch.inference_mode():
+            whole = chat_model.model(torch.tensor([probe.prompt_ids(chat_model, question)]),
+                                     output_hidden_states=True).hidden_states[layer][0, -1]
+        torch.testing.assert_close(state, whole, rtol=0, atol=1e-5)
+    assert torch.equal(states[0], states[2])  # a question does not leave its keys in the head's cache
+
+
 def test_the_stop_acts_only_in_the_probing_thread(chat_model):
     ids = torch.tensor([[5, 9, 14, 33, 2]])
     with torch.inference_mode():

@@ -4,7 +4,8 @@ The question is asked as deployed but with no chunk (the probe's system prompt, 
 the assistant turn opened); the last position's hidden state after `layer` decoder layers, L2-normalised, is
 scored by a logistic regression fitted on `bench/data/router_train.jsonl` (`bench/question_probe.py --export`,
 held-out AUC 0.92). Probes ship per embedded model in `data/question_probes.json`; any other model has none
-(`probe_for` gives None: no opinion). The layers above `layer` are not run.
+(`probe_for` gives None: no opinion). The layers above `layer` are not run, and the prompt's head (system turn,
+user turn's opening) is run once per model.
 
 The probe knows lists, comparisons and totals (it flagged every such question of the deployed families and 31 of
 32 held-out ones) and does not know links through an unnamed entity (0 of 20). So it confirms the lexical
@@ -14,6 +15,7 @@ the trigger fired on 20 and 17 of 52 requests (2K, 4K) and the probe vetoed all 
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 from importlib import resources
 
 import torch
+from transformers import DynamicCache
 
 from ...models.loading import LoadedModel, text_config
+from ..recompute.forward import cache_argument
 
 PROBES_FILE = "question_probes.json"
 
@@ -36,15 +40,33 @@ class QuestionProbe:
     bias: float
     system_prompt: str
 
-    def prompt_ids(self, lm: LoadedModel, question: str) -> list[int]:
+    def prompt_text(self, lm: LoadedModel, question: str) -> str:
         """The question asked with no chunk, through the model's chat template, the assistant turn opened."""
         chat = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-        text = lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return list(lm.tokenizer(text)["input_ids"])
+        return lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+    def prompt_ids(self, lm: LoadedModel, question: str) -> list[int]:
+        return list(lm.tokenizer(self.prompt_text(lm, question))["input_ids"])
+
+    def state(self, lm: LoadedModel, question: str) -> torch.Tensor:
+        """The hidden state the probe reads. The prompt's head (the system turn and the user turn's opening, the
+        same for every question) is run once per model; each question runs only its own tokens over a copy of
+        the head's keys and values (the whole prompt where its tokens do not start with the head's)."""
+        ids = self.prompt_ids(lm, question)
+        marker = "\x00"
+        head_text = self.prompt_text(lm, marker).split(marker)[0]
+        head = list(lm.tokenizer(head_text)["input_ids"])
+        if not head or len(head) >= len(ids) or ids[:len(head)] != head:
+            return hidden_state(lm, ids, self.layer)
+        key = (id(lm.model), self.layer, tuple(head))
+        if key not in _heads:
+            _heads[key] = (lm.model, _new_cache(lm))  # the model kept beside: its id is not reused while cached
+            hidden_state(lm, head, self.layer, cache=_heads[key][1])
+        return hidden_state(lm, ids[len(head):], self.layer, cache=copy.deepcopy(_heads[key][1]))
 
     def score(self, lm: LoadedModel, question: str) -> float:
         """The probe's decision value: > 0 reads as an answer drawn from several passages."""
-        state = hidden_state(lm, self.prompt_ids(lm, question), self.layer).float()
+        state = self.state(lm, question).float()
         return float(state @ self.weight / state.norm().clamp_min(1e-12) + self.bias)
 
     def several(self, lm: LoadedModel, question: str) -> bool:
@@ -82,7 +104,14 @@ def _stop_here(module: torch.nn.Module, args: tuple, output: object) -> None:
         raise _Reached(output[0] if isinstance(output, tuple) else output)
 
 
-def hidden_state(lm: LoadedModel, ids: list[int], layer: int) -> torch.Tensor:
+_heads: dict[tuple, tuple] = {}  # (model id, layer, head ids) -> (model, the head's keys and values below `layer`)
+
+
+def _new_cache(lm: LoadedModel) -> DynamicCache:
+    return DynamicCache(config=lm.model.config)
+
+
+def hidden_state(lm: LoadedModel, ids: list[int], layer: int, cache: DynamicCache | None = None) -> torch.Tensor:
     """The last position's hidden state after `layer` decoder layers: `output_hidden_states[layer]` of a whole
     forward, with the layers above not run (so below the last layer, whose `output_hidden_states` entry is
     normed). The hook that stops there is registered once per model and acts only in the calling thread, so
@@ -96,7 +125,11 @@ def hidden_state(lm: LoadedModel, ids: list[int], layer: int) -> torch.Tensor:
     _stopping.layer = block
     try:
         with torch.inference_mode():
-            lm.model(torch.tensor([ids], device=lm.device), use_cache=False)
+            if cache is None:
+                lm.model(torch.tensor([ids], device=lm.device), use_cache=False)
+            else:  # `ids` continue the tokens `cache` holds, which it is extended by (below `layer`)
+                lm.model(torch.tensor([ids], device=lm.device), use_cache=True,
+                         **{cache_argument(type(lm.model)): cache})
     except _Reached as reached:
         return reached.hidden[0, -1].detach().cpu()
     finally:
