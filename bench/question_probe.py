@@ -189,7 +189,8 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
         flag = [esc and scores[q] > 0 for _, _, _, _, esc, _, q, _, _ in cs]
         kept = [w if f else b for (_, _, _, w, _, b, _, _, _), f in zip(cs, flag)]
         ttft_words = sorted(c[7] for c in cs)
-        both = [(c[7] + probe_s) if f else (c[8] + probe_s) if c[4] and c[8] is not None else c[8] for c, f in zip(cs, flag)]
+        # confirmed: the words' row and the probe; vetoed: the row without the budget and the probe; unflagged: as before
+        both = [c[7] + probe_s if f else (None if c[8] is None else c[8] + probe_s) if c[4] else c[7] for c, f in zip(cs, flag)]
         ttft_both = None if None in both else sorted(both)
         table.append({"family": family, "length": length, "cases": len(cs), "full_right": sum(c[2] for c in cs),
                       "words_kept": sum(c[2] and c[3] for c in cs), "confirmed_kept": sum(c[2] and k for c, k in zip(cs, kept)),

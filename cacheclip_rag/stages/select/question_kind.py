@@ -58,11 +58,13 @@ class QuestionProbe:
         head = list(lm.tokenizer(head_text)["input_ids"])
         if not head or len(head) >= len(ids) or ids[:len(head)] != head:
             return hidden_state(lm, ids, self.layer)
-        key = (id(lm.model), self.layer, tuple(head))
-        if key not in _heads:
-            _heads[key] = (lm.model, _new_cache(lm))  # the model kept beside: its id is not reused while cached
-            hidden_state(lm, head, self.layer, cache=_heads[key][1])
-        return hidden_state(lm, ids[len(head):], self.layer, cache=copy.deepcopy(_heads[key][1]))
+        heads = head_caches(lm)
+        key = (self.layer, tuple(head))
+        if key not in heads:
+            cache = DynamicCache(config=lm.model.config)
+            hidden_state(lm, head, self.layer, cache=cache)
+            heads[key] = cache  # published once filled: a concurrent request copies a whole head or makes its own
+        return hidden_state(lm, ids[len(head):], self.layer, cache=copy.deepcopy(heads[key]))
 
     def score(self, lm: LoadedModel, question: str) -> float:
         """The probe's decision value: > 0 reads as an answer drawn from several passages."""
@@ -104,11 +106,13 @@ def _stop_here(module: torch.nn.Module, args: tuple, output: object) -> None:
         raise _Reached(output[0] if isinstance(output, tuple) else output)
 
 
-_heads: dict[tuple, tuple] = {}  # (model id, layer, head ids) -> (model, the head's keys and values below `layer`)
-
-
-def _new_cache(lm: LoadedModel) -> DynamicCache:
-    return DynamicCache(config=lm.model.config)
+def head_caches(lm: LoadedModel) -> dict[tuple, DynamicCache]:
+    """(layer, head ids) -> the head's keys and values below that layer, kept on the model (they live and go
+    with it)."""
+    heads = getattr(lm.model, "_cacheclip_probe_heads", None)
+    if heads is None:
+        heads = lm.model._cacheclip_probe_heads = {}
+    return heads
 
 
 def hidden_state(lm: LoadedModel, ids: list[int], layer: int, cache: DynamicCache | None = None) -> torch.Tensor:
