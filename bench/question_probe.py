@@ -26,6 +26,7 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,10 +41,15 @@ from bench_docs_qa import QUESTIONS  # noqa: E402
 from cacheclip_rag.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.deployed import cases  # noqa: E402
+from cacheclip_rag.stages.select.question_kind import question_prompt_ids  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
 SEVERAL = {"values", "compare", "link", "multivalue", "multiquery", "spread2", "spread3", "spread4", "older"}
 RUNS = ("eval-deployed-2k", "eval-deployed-4k", "eval-multichunk-deployed-2k", "eval-multichunk-deployed-4k")
+
+
+def _run_records(run: str) -> list[list[dict]]:
+    return [json.loads(line) for line in (ROOT / "bench" / run / "records.jsonl").read_text().splitlines()]
 
 
 def questions(count_tokens) -> list[tuple[str, str, bool]]:
@@ -60,8 +66,8 @@ def questions(count_tokens) -> list[tuple[str, str, bool]]:
         for seed in range(4):
             items.append((f"ruler/{task}", ruler.generate(task, 2048, seed, count_tokens).question, task in SEVERAL))
     for run in RUNS:  # the deployed-format RULER runs' own requests (every sample, both lengths)
-        for line in (ROOT / "bench" / run / "records.jsonl").read_text().splitlines():
-            r = json.loads(line)[0]
+        for records in _run_records(run):
+            r = records[0]
             sample = ruler.generate(r["task"], r["length"], r["seed"], count_tokens)
             assert list(sample.references) == r["references"], (run, r["task"], r["seed"])
             items.append((f"run/{run}/{r['task']}", sample.question, r["task"] in SEVERAL))
@@ -71,12 +77,11 @@ def questions(count_tokens) -> list[tuple[str, str, bool]]:
 
 
 def features(items, lm) -> torch.Tensor:
-    """Per question: the last position's hidden state at every layer of `lm` (question asked with no chunk)."""
-    tok = lm.tokenizer
+    """Per question: the last position's hidden state at every layer of `lm`, the question asked as the library's
+    probe asks it (`question_kind.question_prompt_ids`: no chunk, the default system prompt)."""
     out = []
     for _, question, _ in tqdm(items, desc="questions"):
-        chat = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        ids = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), return_tensors="pt").input_ids
+        ids = torch.tensor([question_prompt_ids(lm, DEFAULT_SYSTEM_PROMPT, question)])
         with torch.inference_mode():
             states = lm.model(ids, output_hidden_states=True).hidden_states
         out.append(torch.stack([h[0, -1] for h in states]).float())
@@ -144,8 +149,18 @@ def routed(rows_path: Path, scores: dict[str, float], primary: str) -> list[dict
     return table
 
 
-def _run_records(run: str) -> list[list[dict]]:
-    return [json.loads(line) for line in (ROOT / "bench" / run / "records.jsonl").read_text().splitlines()]
+class Composed(NamedTuple):
+    """One request of a stored run, as the confirmation composes it."""
+
+    family: str
+    length: int
+    full_right: bool
+    words_right: bool  # the words-only default (the spread budget before the probe)
+    escalated: bool  # by the words
+    base_right: bool  # the same request without the budget
+    question: str
+    words_s: float
+    base_s: float | None  # None: not timed
 
 
 def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: str, probe_s: float) -> list[dict]:
@@ -154,9 +169,7 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
     the same tokens), plus the probe's forward `probe_s`; any other, the same request without the budget. Per
     family and length: full's right answers (strict), how many each rule keeps, how many each escalates, and the
     median time to first token (None where a vetoed request's time without the budget was not measured)."""
-    # per request (a later run's row replacing an earlier one's): (family, length, full right, words kept, words
-    # escalated, base kept, question, ttft words, ttft base)
-    requests: dict[tuple, tuple] = {}
+    requests: dict[tuple, Composed] = {}  # a later run's row replaces an earlier one's
     for line in (line for path in rows_paths for line in path.read_text().splitlines()):
         r = json.loads(line)
         rows = r["rows"]
@@ -164,10 +177,9 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
         if r.get("primary", primary) != primary or base is None:
             continue
         escalated = (rows["default"]["ratio"] or 0) > 0.2 + 1e-9
-        base_s = base.get("ttft_s", None if escalated else rows["default"]["ttft_s"])
-        requests[(r["case"]["family"], r["length"], r["case"]["seed"])] = (
+        requests[(r["case"]["family"], r["length"], r["case"]["seed"])] = Composed(
             r["case"]["family"], r["length"], rows["full"]["right"], rows["default"]["right"], escalated, base["right"],
-            r["case"]["question"], rows["default"]["ttft_s"], base_s)
+            r["case"]["question"], rows["default"]["ttft_s"], base.get("ttft_s", None if escalated else rows["default"]["ttft_s"]))
     cases = list(requests.values())
     for run in RUNS:
         asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
@@ -178,23 +190,25 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
             words = by["cacheclip_spread"]
             base = by.get("cacheclip_nospread") or by["cacheclip_requery"]
             family = ("ruler-multichunk/" if "multichunk" in run else "ruler/") + words["task"]
-            cases.append((family, words["length"],
-                          by["full"]["score"] == 1.0, words["score"] == 1.0, words["recomputed_share"] > 0.35,
-                          base["score"] == 1.0, question, words["ttft_s"], base["ttft_s"]))
+            cases.append(Composed(family, words["length"], by["full"]["score"] == 1.0, words["score"] == 1.0,
+                                  words["recomputed_share"] > 0.35, base["score"] == 1.0, question, words["ttft_s"],
+                                  base["ttft_s"]))
     by_cell = defaultdict(list)
     for c in cases:
-        by_cell[(c[0], c[1])].append(c)
+        by_cell[(c.family, c.length)].append(c)
     table = []
     for (family, length), cs in sorted(by_cell.items()):
-        flag = [esc and scores[q] > 0 for _, _, _, _, esc, _, q, _, _ in cs]
-        kept = [w if f else b for (_, _, _, w, _, b, _, _, _), f in zip(cs, flag)]
-        ttft_words = sorted(c[7] for c in cs)
+        flag = [c.escalated and scores[c.question] > 0 for c in cs]
+        kept = [c.words_right if f else c.base_right for c, f in zip(cs, flag)]
+        ttft_words = sorted(c.words_s for c in cs)
         # confirmed: the words' row and the probe; vetoed: the row without the budget and the probe; unflagged: as before
-        both = [c[7] + probe_s if f else (None if c[8] is None else c[8] + probe_s) if c[4] else c[7] for c, f in zip(cs, flag)]
+        both = [c.words_s + probe_s if f else (None if c.base_s is None else c.base_s + probe_s) if c.escalated
+                else c.words_s for c, f in zip(cs, flag)]
         ttft_both = None if None in both else sorted(both)
-        table.append({"family": family, "length": length, "cases": len(cs), "full_right": sum(c[2] for c in cs),
-                      "words_kept": sum(c[2] and c[3] for c in cs), "confirmed_kept": sum(c[2] and k for c, k in zip(cs, kept)),
-                      "words_escalated": sum(c[4] for c in cs), "confirmed_escalated": sum(flag),
+        table.append({"family": family, "length": length, "cases": len(cs), "full_right": sum(c.full_right for c in cs),
+                      "words_kept": sum(c.full_right and c.words_right for c in cs),
+                      "confirmed_kept": sum(c.full_right and k for c, k in zip(cs, kept)),
+                      "words_escalated": sum(c.escalated for c in cs), "confirmed_escalated": sum(flag),
                       "median_ttft_words_s": round(ttft_words[len(cs) // 2], 3),
                       "median_ttft_confirmed_s": ttft_both and round(ttft_both[len(cs) // 2], 3)})
     return table

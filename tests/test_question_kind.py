@@ -53,6 +53,7 @@ def test_questions_run_over_the_heads_cached_keys_give_the_whole_prompts_state(c
     questions = ["Which boats did the mill own?", "When?", "Which boats did the mill own?"]
     states = [probe.state(chat_model, q) for q in questions]  # the head's cache made once, then copied
     assert sum(key[0] == layer for key in question_kind.head_caches(chat_model)) == 1
+    assert all(cache is not None for _, cache in question_kind.head_caches(chat_model).values())
     for question, state in zip(questions, states):
         with torch.inference_mode():
             whole = chat_model.model(torch.tensor([probe.prompt_ids(chat_model, question)]),

@@ -40,31 +40,26 @@ class QuestionProbe:
     bias: float
     system_prompt: str
 
-    def prompt_text(self, lm: LoadedModel, question: str) -> str:
-        """The question asked with no chunk, through the model's chat template, the assistant turn opened."""
-        chat = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
-        return lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-
     def prompt_ids(self, lm: LoadedModel, question: str) -> list[int]:
-        return list(lm.tokenizer(self.prompt_text(lm, question))["input_ids"])
+        return question_prompt_ids(lm, self.system_prompt, question)
 
     def state(self, lm: LoadedModel, question: str) -> torch.Tensor:
         """The hidden state the probe reads. The prompt's head (the system turn and the user turn's opening, the
         same for every question) is run once per model; each question runs only its own tokens over a copy of
         the head's keys and values (the whole prompt where its tokens do not start with the head's)."""
         ids = self.prompt_ids(lm, question)
-        marker = "\x00"
-        head_text = self.prompt_text(lm, marker).split(marker)[0]
-        head = list(lm.tokenizer(head_text)["input_ids"])
-        if not head or len(head) >= len(ids) or ids[:len(head)] != head:
-            return hidden_state(lm, ids, self.layer)
         heads = head_caches(lm)
-        key = (self.layer, tuple(head))
+        key = (self.layer, self.system_prompt)
         if key not in heads:
-            cache = DynamicCache(config=lm.model.config)
-            hidden_state(lm, head, self.layer, cache=cache)
-            heads[key] = cache  # published once filled: a concurrent request copies a whole head or makes its own
-        return hidden_state(lm, ids[len(head):], self.layer, cache=copy.deepcopy(heads[key]))
+            head = question_prompt_ids(lm, self.system_prompt, _MARKER, until_question=True)
+            cache = DynamicCache(config=lm.model.config) if head else None
+            if cache is not None:
+                hidden_state(lm, head, self.layer, cache=cache)
+            heads[key] = (head, cache)  # published once filled: a concurrent request copies a whole head or makes its own
+        head, cache = heads[key]
+        if cache is None or len(head) >= len(ids) or ids[:len(head)] != head:
+            return hidden_state(lm, ids, self.layer)
+        return hidden_state(lm, ids[len(head):], self.layer, cache=copy.deepcopy(cache))
 
     def score(self, lm: LoadedModel, question: str) -> float:
         """The probe's decision value: > 0 reads as an answer drawn from several passages."""
@@ -73,6 +68,19 @@ class QuestionProbe:
 
     def several(self, lm: LoadedModel, question: str) -> bool:
         return self.score(lm, question) > 0.0
+
+
+_MARKER = "\x00"  # a question no template alters: the prompt's text before it is the head
+
+
+def question_prompt_ids(lm: LoadedModel, system_prompt: str, question: str, *, until_question: bool = False) -> list[int]:
+    """The question asked with no chunk, through the model's chat template, the assistant turn opened (what a
+    probe is fitted on and reads); `until_question`: only the tokens of the text before the question."""
+    chat = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+    text = lm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if until_question:
+        text = text.split(question)[0]
+    return list(lm.tokenizer(text)["input_ids"])
 
 
 def probe_for(lm: LoadedModel) -> QuestionProbe | None:
@@ -106,9 +114,9 @@ def _stop_here(module: torch.nn.Module, args: tuple, output: object) -> None:
         raise _Reached(output[0] if isinstance(output, tuple) else output)
 
 
-def head_caches(lm: LoadedModel) -> dict[tuple, DynamicCache]:
-    """(layer, head ids) -> the head's keys and values below that layer, kept on the model (they live and go
-    with it)."""
+def head_caches(lm: LoadedModel) -> dict[tuple[int, str], tuple[list[int], DynamicCache]]:
+    """(layer, system prompt) -> the prompt head's ids and their keys and values below that layer, kept on the
+    model (they live and go with it)."""
     heads = getattr(lm.model, "_cacheclip_probe_heads", None)
     if heads is None:
         heads = lm.model._cacheclip_probe_heads = {}
