@@ -73,7 +73,8 @@ def test_the_stop_acts_only_in_the_probing_thread(chat_model):
         out = {}
         worker = threading.Thread(target=lambda: out.setdefault("logits", chat_model.model(ids).logits.detach()))
         worker.start()
-        worker.join()
+        worker.join(timeout=120)
+        assert not worker.is_alive()
     finally:
         question_kind._stopping.layer = None
     with torch.inference_mode():
