@@ -41,6 +41,7 @@ from bench_docs_qa import QUESTIONS  # noqa: E402
 from cacheclip_rag.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
 from cacheclip_rag.evaluation.deployed import cases  # noqa: E402
+from cacheclip_rag.methods.spread import answer_spread  # noqa: E402
 from cacheclip_rag.stages.select.question_kind import question_prompt_ids  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
@@ -183,7 +184,7 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
     cases = list(requests.values())
     for run in RUNS:
         asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
-        if not asked:  # features made without this run's questions
+        if not asked or _run_primary(run) != primary:  # features made without this run's questions; another model's answers
             continue
         for question, records in zip(asked, _run_records(run), strict=True):
             by = {rec["variant"]: rec for rec in records}
@@ -211,6 +212,41 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
                       "words_escalated": sum(c.escalated for c in cs), "confirmed_escalated": sum(flag),
                       "median_ttft_words_s": round(ttft_words[len(cs) // 2], 3),
                       "median_ttft_confirmed_s": ttft_both and round(ttft_both[len(cs) // 2], 3)})
+    return table
+
+
+def _run_primary(run: str) -> str:
+    return json.loads((ROOT / "bench" / run / "run.json").read_text())["primary"]
+
+
+def flags(items, scores: dict[str, float], n: int = 52) -> list[dict]:
+    """Which requests the spread budget escalates, from the questions alone (no answer is run): per deployed
+    family and length, the requests the words flag (`answer_spread` over the case's chunks) and those the probe
+    then confirms; per RULER task of the deployed-format runs, the same, the words' flag read from the run (its
+    escalated share). What a probe changes for a model whose answers were not run with it."""
+    table = []
+    for family in ("short", "topical", "values", "compare", "link"):
+        for words in (0,) if family == "short" else (1500, 3000):
+            cs = cases(family, words, n)
+            worded = [answer_spread(c.question, c.chunks).spread for c in cs]
+            table.append({"family": family, "words": words, "cases": len(cs), "several": family in SEVERAL,
+                          "words_flagged": sum(worded),
+                          "confirmed": sum(w and scores[c.question] > 0 for w, c in zip(worded, cs))})
+    for run in RUNS:
+        asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
+        if not asked:  # features made without this run's questions
+            continue
+        by_task = defaultdict(lambda: [0, 0, 0])
+        for question, records in zip(asked, _run_records(run), strict=True):
+            words = next(rec for rec in records if rec["variant"] == "cacheclip_spread")
+            worded = words["recomputed_share"] > 0.35
+            cell = by_task[(words["task"], words["length"])]
+            cell[0] += 1
+            cell[1] += worded
+            cell[2] += worded and scores[question] > 0
+        for (task, length), (n, worded, confirmed) in sorted(by_task.items()):
+            table.append({"family": ("ruler-multichunk/" if "multichunk" in run else "ruler/") + task, "words": length,
+                          "cases": n, "several": task in SEVERAL, "words_flagged": worded, "confirmed": confirmed})
     return table
 
 
@@ -261,6 +297,7 @@ def main() -> int:
         feats = features(items, lm)
         torch.save({"items": items, "feats": feats}, cache)
     result = {"primary": args.primary, **fit(items, feats)}
+    result["flags"] = flags(items, result["scores"])
     if args.rows:
         result["routed"] = routed(Path(args.rows), result["scores"], args.primary)
         result["confirmed"] = confirmed(items, result["scores"], [Path(args.rows), *map(Path, args.confirm_rows)],
@@ -271,6 +308,9 @@ def main() -> int:
               f"{t['flagged_one']}/{t['n'][1]} one")
     for source, (f, n) in result["flagged_by_source"].items():
         print(f"  {source:20s} flagged {f}/{n}")
+    for row in result["flags"]:
+        print(f"  flags {row['family']:28s} {row['words']}: words {row['words_flagged']} -> confirmed "
+              f"{row['confirmed']} of {row['cases']}")
     for row in result.get("routed", []):
         print(f"  {row['family']:8s} {row['length']}: kept {row['default_kept']} -> {row['routed_kept']} of "
               f"{row['full_right']}; to full {row['routed_to_full']}/{row['cases']}; "
