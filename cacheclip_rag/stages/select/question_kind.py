@@ -3,7 +3,8 @@
 The question is asked as deployed but with no chunk (the probe's system prompt, the question as the user turn,
 the assistant turn opened); the last position's hidden state after `layer` decoder layers, L2-normalised, is
 scored by a logistic regression fitted on `bench/data/router_train.jsonl` (`bench/question_probe.py --export`,
-held-out AUC 0.92). Probes ship per embedded model in `data/question_probes.json`; any other model has none
+held-out AUC 0.92 on the 0.5B, 0.96 on the 1.5B). Probes ship per embedded model in `data/question_probes.json`
+(Qwen2.5-Coder 0.5B and 1.5B); any other model has none
 (`probe_for` gives None: no opinion). The layers above `layer` are not run, and the prompt's head (system turn,
 user turn's opening) is run once per model.
 
