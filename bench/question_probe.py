@@ -40,29 +40,51 @@ from bench_deployed import auc, auc_interval  # noqa: E402
 from bench_docs_qa import QUESTIONS  # noqa: E402
 from cacheclip_rag.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 from cacheclip_rag.evaluation import ruler  # noqa: E402
-from cacheclip_rag.evaluation.deployed import cases  # noqa: E402
+from cacheclip_rag.evaluation.deployed import WORDS_FOR, cases  # noqa: E402
 from cacheclip_rag.methods.spread import answer_spread  # noqa: E402
 from cacheclip_rag.stages.select.question_kind import question_prompt_ids  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
 SEVERAL = {"values", "compare", "link", "multivalue", "multiquery", "spread2", "spread3", "spread4", "older"}
 RUNS = ("eval-deployed-2k", "eval-deployed-4k", "eval-multichunk-deployed-2k", "eval-multichunk-deployed-4k")
+ROWS_PRIMARY = "qwen2.5-coder-0.5b"  # bench_deployed rows stored before they named their primary are this model's
+
+
+def deployed_cells() -> list[tuple[str, int]]:
+    """(family, words) of every deployed family's set: short prompts without filler, the rest at 2K and 4K."""
+    return [(family, words) for family in ("short", "topical", "values", "compare", "link")
+            for words in ((0,) if family == "short" else tuple(WORDS_FOR.values()))]
 
 
 def _run_records(run: str) -> list[list[dict]]:
     return [json.loads(line) for line in (ROOT / "bench" / run / "records.jsonl").read_text().splitlines()]
 
 
+def _asked_in(items, run: str) -> list[tuple[str, list[dict]]]:
+    """(question, the run's records of it) for every request of a deployed-format RULER run; none where the
+    features were made without that run's questions."""
+    asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
+    return list(zip(asked, _run_records(run), strict=True)) if asked else []
+
+
+def _run_family(run: str, task: str) -> str:
+    return ("ruler-multichunk/" if "multichunk" in run else "ruler/") + task
+
+
+def _escalated_by_words(record: dict) -> bool:
+    """Whether the words-only spread budget escalated a run's request (ratio 0.5's share against the base 0.2)."""
+    return record["recomputed_share"] > 0.35
+
+
 def questions(count_tokens) -> list[tuple[str, str, bool]]:
     """(source, question, combines several passages) for the training set and every test set."""
     items = [("train", r["question"], r["several"]) for r in map(json.loads, (DATA / "router_train.jsonl").open())]
-    for family in ("short", "topical", "values", "compare", "link"):
-        seen: set[str] = set()
-        for words in (0,) if family == "short" else (1500, 3000):
-            for c in cases(family, words, 52):
-                if c.question not in seen:
-                    seen.add(c.question)
-                    items.append((f"deployed/{family}", c.question, family in SEVERAL))
+    seen: set[tuple[str, str]] = set()
+    for family, words in deployed_cells():
+        for c in cases(family, words, 52):
+            if (family, c.question) not in seen:
+                seen.add((family, c.question))
+                items.append((f"deployed/{family}", c.question, family in SEVERAL))
     for task in ruler.TASKS:
         for seed in range(4):
             items.append((f"ruler/{task}", ruler.generate(task, 2048, seed, count_tokens).question, task in SEVERAL))
@@ -131,7 +153,7 @@ def routed(rows_path: Path, scores: dict[str, float], primary: str) -> list[dict
     by = defaultdict(list)
     for line in rows_path.read_text().splitlines():
         r = json.loads(line)
-        if r.get("primary", "qwen2.5-coder-0.5b") == primary:
+        if r.get("primary", ROWS_PRIMARY) == primary:
             by[(r["case"]["family"], r["length"])].append(r)
     table = []
     for (family, length), rs in sorted(by.items()):
@@ -175,25 +197,21 @@ def confirmed(items, scores: dict[str, float], rows_paths: list[Path], primary: 
         r = json.loads(line)
         rows = r["rows"]
         base = rows.get("no_spread") or rows.get("base_0.2")  # the latter untimed: the default's time where equal
-        if r.get("primary", "qwen2.5-coder-0.5b") != primary or base is None:  # rows before the field: the 0.5B
+        if r.get("primary", ROWS_PRIMARY) != primary or base is None:
             continue
         escalated = (rows["default"]["ratio"] or 0) > 0.2 + 1e-9
         requests[(r["case"]["family"], r["length"], r["case"]["seed"])] = Composed(
             r["case"]["family"], r["length"], rows["full"]["right"], rows["default"]["right"], escalated, base["right"],
             r["case"]["question"], rows["default"]["ttft_s"], base.get("ttft_s", None if escalated else rows["default"]["ttft_s"]))
     cases = list(requests.values())
-    for run in RUNS:
-        asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
-        if not asked or _run_primary(run) != primary:  # features made without this run's questions; another model's answers
-            continue
-        for question, records in zip(asked, _run_records(run), strict=True):
+    for run in (run for run in RUNS if _run_primary(run) == primary):  # another model's answers are not composed
+        for question, records in _asked_in(items, run):
             by = {rec["variant"]: rec for rec in records}
             words = by["cacheclip_spread"]
             base = by.get("cacheclip_nospread") or by["cacheclip_requery"]
-            family = ("ruler-multichunk/" if "multichunk" in run else "ruler/") + words["task"]
-            cases.append(Composed(family, words["length"], by["full"]["score"] == 1.0, words["score"] == 1.0,
-                                  words["recomputed_share"] > 0.35, base["score"] == 1.0, question, words["ttft_s"],
-                                  base["ttft_s"]))
+            cases.append(Composed(_run_family(run, words["task"]), words["length"], by["full"]["score"] == 1.0,
+                                  words["score"] == 1.0, _escalated_by_words(words), base["score"] == 1.0, question,
+                                  words["ttft_s"], base["ttft_s"]))
     by_cell = defaultdict(list)
     for c in cases:
         by_cell[(c.family, c.length)].append(c)
@@ -225,28 +243,23 @@ def flags(items, scores: dict[str, float], n: int = 52) -> list[dict]:
     then confirms; per RULER task of the deployed-format runs, the same, the words' flag read from the run (its
     escalated share). What a probe changes for a model whose answers were not run with it."""
     table = []
-    for family in ("short", "topical", "values", "compare", "link"):
-        for words in (0,) if family == "short" else (1500, 3000):
-            cs = cases(family, words, n)
-            worded = [answer_spread(c.question, c.chunks).spread for c in cs]
-            table.append({"family": family, "words": words, "cases": len(cs), "several": family in SEVERAL,
-                          "words_flagged": sum(worded),
-                          "confirmed": sum(w and scores[c.question] > 0 for w, c in zip(worded, cs))})
-    for run in RUNS:
-        asked = [q for source, q, _ in items if source.startswith(f"run/{run}/")]
-        if not asked:  # features made without this run's questions
-            continue
-        by_task = defaultdict(lambda: [0, 0, 0])
-        for question, records in zip(asked, _run_records(run), strict=True):
+    for family, words in deployed_cells():
+        cs = cases(family, words, n)
+        worded = [answer_spread(c.question, c.chunks).spread for c in cs]
+        table.append({"family": family, "words": words, "cases": len(cs), "several": family in SEVERAL,
+                      "words_flagged": sum(worded),
+                      "confirmed": sum(w and scores[c.question] > 0 for w, c in zip(worded, cs))})
+    for run in RUNS:  # the words' flag depends on no model: every run counts
+        by_task = defaultdict(lambda: [0, 0, 0])  # requests, flagged by the words, confirmed
+        for question, records in _asked_in(items, run):
             words = next(rec for rec in records if rec["variant"] == "cacheclip_spread")
-            worded = words["recomputed_share"] > 0.35
             cell = by_task[(words["task"], words["length"])]
             cell[0] += 1
-            cell[1] += worded
-            cell[2] += worded and scores[question] > 0
-        for (task, length), (n, worded, confirmed) in sorted(by_task.items()):
-            table.append({"family": ("ruler-multichunk/" if "multichunk" in run else "ruler/") + task, "words": length,
-                          "cases": n, "several": task in SEVERAL, "words_flagged": worded, "confirmed": confirmed})
+            cell[1] += _escalated_by_words(words)
+            cell[2] += _escalated_by_words(words) and scores[question] > 0
+        for (task, length), (requests, worded, confirmed) in sorted(by_task.items()):
+            table.append({"family": _run_family(run, task), "words": length, "cases": requests,
+                          "several": task in SEVERAL, "words_flagged": worded, "confirmed": confirmed})
     return table
 
 

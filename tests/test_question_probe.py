@@ -45,13 +45,15 @@ def test_the_probe_vetoes_a_flagged_request_to_its_unescalated_row_and_confirms_
     assert (cell["words_kept"], cell["confirmed_kept"]) == (2, 3)
     assert (cell["words_escalated"], cell["confirmed_escalated"]) == (2, 1)
     assert (cell["median_ttft_words_s"], cell["median_ttft_confirmed_s"]) == (3.0, 1.5)  # 3.5, 1.5, 1.0
+    # rows that name no primary are the 0.5B's: another primary's probe is not composed with them
+    assert question_probe.confirmed([], scores, [path], "qwen2.5-coder-1.5b", probe_s=0.5) == []
 
 
 def test_flags_count_what_the_words_flag_and_the_probe_then_confirms_and_no_other_models_runs_are_composed():
     from cacheclip_rag.evaluation.deployed import cases
 
-    scores = {c.question: 1.0 if family == "values" else -1.0 for family in ("short", "topical", "values", "compare", "link")
-              for words in ((0,) if family == "short" else (1500, 3000)) for c in cases(family, words, 12)}
+    scores = {c.question: 1.0 if family == "values" else -1.0 for family, words in question_probe.deployed_cells()
+              for c in cases(family, words, 12)}
     table = {(r["family"], r["words"]): r for r in question_probe.flags([], scores, n=12)}
     assert table[("values", 1500)]["confirmed"] == table[("values", 1500)]["words_flagged"] > 0
     assert table[("topical", 1500)]["words_flagged"] > 0 == table[("topical", 1500)]["confirmed"]
